@@ -1,0 +1,39 @@
+# Two commands: `make quickstart` and `make test`. Each creates .venv if missing and installs once.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= demo,dev,triton,bench
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.peftplug-installed
+
+.PHONY: install quickstart test bench gpu-dry-run lint clean
+
+install: $(STAMP)
+
+# The stamp depends on pyproject.toml, so editing dependencies reinstalls; otherwise nothing is done twice.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -c "import torch; print('torch', torch.__version__)" > $(VENV)/.torch-version
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]" "$$(cat $(VENV)/.torch-version | sed 's/torch /torch==/')"
+	touch $(STAMP)
+
+quickstart: install
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/peftplug fit --config recipes/quickstart.yaml
+
+test: install
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest -q tests
+
+bench: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.run_all
+
+gpu-dry-run: install
+	bash benchmarks/gpu/run_all.sh --dry-run
+
+lint: install
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Block-diagonal rotation of the last dimension of an input: x' = x R, block by block."""

@@ -1,0 +1,1 @@
+"""Skew-symmetric triangle vector -> orthogonal (or near-orthogonal) rotation blocks."""

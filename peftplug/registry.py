@@ -1,0 +1,209 @@
+"""Registration of out-of-tree PEFT methods.
+
+PEFT (>= 0.15) offers ``peft.utils.register_peft_method``, but it only accepts names that are already members
+of the closed enum ``peft.utils.PeftType``. This module is the ONLY place in peftplug that touches PEFT
+internals: it adds enum members at run time, calls ``register_peft_method``, and makes loading an adapter of a
+plugin type whose package was not imported fail with a message that says what to import.
+
+It is a leaf module: it imports nothing else from this project, so every method package can import it.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import sys
+import threading
+from typing import Any
+
+import peft
+from packaging.version import Version
+
+# The PEFT versions whose internals (PeftType's enum maps, the mapping dicts) this module was written and
+# tested against. Outside the range we still try, but a failure names the version.
+SUPPORTED_PEFT = (Version("0.16.0"), Version("0.22.0"))
+
+# Which import provides each plugin type; used to tell users what to import before loading an adapter.
+PLUGIN_PACKAGES: dict[str, str] = {
+    "OFTV2": "oftv2",
+    "STEERING": "steering",
+    "PCT": "prompt_transfer",
+}
+
+_LOCK = threading.Lock()
+
+
+class PeftInternalsChanged(RuntimeError):
+    """Raised when the installed PEFT no longer has the internals this module extends."""
+
+
+def _internals_error(what: str) -> PeftInternalsChanged:
+    return PeftInternalsChanged(
+        f"peftplug cannot register its methods with PEFT {peft.__version__}: {what}. "
+        f"peftplug is tested with PEFT >={SUPPORTED_PEFT[0]},<{SUPPORTED_PEFT[1]}; "
+        "install a version in that range or report this at the peftplug tracker."
+    )
+
+
+def add_peft_type(name: str) -> enum.Enum:
+    """Adds ``name`` as a member of ``peft.utils.PeftType`` (idempotent).
+
+    ``PeftType`` is a ``str`` Enum; a member is created like the class would create it and entered into
+    the enum's member map, value map and member-name list (CPython Enum internals).
+
+    Args:
+        name: Upper-case member name; the value is the same string (PEFT's own convention).
+
+    Returns:
+        The (possibly pre-existing) ``PeftType`` member.
+
+    Raises:
+        ValueError: If ``name`` is not an upper-case identifier.
+        PeftInternalsChanged: If ``PeftType`` does not look like the enum this code extends.
+    """
+    from peft.utils import PeftType
+
+    if not name.isidentifier() or name.upper() != name:
+        raise ValueError(f"PEFT type name must be an upper-case identifier, got {name!r}")
+    with _LOCK:
+        if name in PeftType.__members__:
+            return PeftType[name]
+        for attr in ("_member_map_", "_value2member_map_", "_member_names_"):
+            if not hasattr(PeftType, attr):
+                raise _internals_error(f"peft.utils.PeftType has no {attr} (Python {sys.version.split()[0]})")
+        if not issubclass(PeftType, str):
+            raise _internals_error("peft.utils.PeftType is no longer a str Enum")
+        member = str.__new__(PeftType, name)
+        member._name_ = name
+        member._value_ = name
+        member.__objclass__ = PeftType
+        if hasattr(next(iter(PeftType)), "_sort_order_"):
+            member._sort_order_ = len(PeftType._member_names_)
+        member.__init__(name)
+        # type.__setattr__ bypasses EnumType's guard against assigning members after class creation.
+        type.__setattr__(PeftType, name, member)
+        PeftType._member_map_[name] = member
+        PeftType._value2member_map_[name] = member
+        PeftType._member_names_.append(name)
+        if PeftType[name] is not member or PeftType(name) is not member or member not in list(PeftType):
+            raise _internals_error("a member added to PeftType is not found by lookup")
+        return member
+
+
+def register_method(
+    name: str,
+    config_cls: type,
+    model_cls: type | None,
+    prefix: str | None = None,
+    is_mixed_compatible: bool = False,
+) -> enum.Enum:
+    """Registers a peftplug method with PEFT so ``get_peft_model`` and ``from_pretrained`` know it.
+
+    Idempotent: registering the same classes again is a no-op; registering other classes under a name that is
+    already taken raises.
+
+    Args:
+        name: Lower-case method name, e.g. ``"oftv2"``; the PeftType member is ``name.upper()``.
+        config_cls: The ``PeftConfig`` subclass.
+        model_cls: The ``BaseTuner`` subclass, or ``None`` for prompt-learning methods.
+        prefix: The parameter-name prefix of the tuner (must equal ``model_cls.prefix``). Defaults to
+            ``name + "_"``.
+        is_mixed_compatible: Whether ``PeftMixedModel`` may combine this method with others.
+
+    Returns:
+        The ``PeftType`` member of the method.
+    """
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
+    from peft.utils import register_peft_method
+
+    if name != name.lower():
+        raise ValueError(f"method name must be lower case, got {name!r}")
+    install_load_hint()
+    member = add_peft_type(name.upper())
+    with _LOCK:
+        if member in PEFT_TYPE_TO_CONFIG_MAPPING:
+            if PEFT_TYPE_TO_CONFIG_MAPPING[member] is config_cls and (
+                model_cls is None or PEFT_TYPE_TO_TUNER_MAPPING.get(member) is model_cls
+            ):
+                return member
+            raise KeyError(
+                f"PEFT type {member.value} is already registered to "
+                f"{PEFT_TYPE_TO_CONFIG_MAPPING[member].__qualname__}; cannot register {config_cls.__qualname__}"
+            )
+        try:
+            register_peft_method(
+                name=name,
+                config_cls=config_cls,
+                model_cls=model_cls,
+                prefix=prefix,
+                is_mixed_compatible=is_mixed_compatible,
+            )
+        except TypeError as err:  # signature changed
+            raise _internals_error(f"register_peft_method rejected our arguments ({err})") from err
+    return member
+
+
+def unknown_type_message(peft_type: Any) -> str:
+    """Explains how to make an adapter of an unregistered ``peft_type`` loadable.
+
+    Args:
+        peft_type: The ``peft_type`` value read from an ``adapter_config.json``.
+    """
+    key = str(getattr(peft_type, "value", peft_type))
+    package = PLUGIN_PACKAGES.get(key)
+    if package is not None:
+        return (
+            f"This adapter has peft_type {key!r}, which peftplug's `{package}` package provides: "
+            f"add `import {package}` before loading it."
+        )
+    return (
+        f"This adapter has peft_type {key!r}, which neither PEFT {peft.__version__} nor peftplug knows "
+        f"(peftplug provides {sorted(PLUGIN_PACKAGES)}). Is it from a newer PEFT or another plugin?"
+    )
+
+
+class UnregisteredAdapterError(ValueError):
+    """An adapter's ``peft_type`` is not registered (its plugin package was not imported)."""
+
+
+def install_load_hint() -> None:
+    """Makes loading an adapter of an unregistered plugin type raise a clear error (idempotent).
+
+    PEFT looks the type up in ``PEFT_TYPE_TO_CONFIG_MAPPING`` and fails with a bare ``KeyError: 'OFTV2'``.
+    We wrap the two class methods through which every load path reads the type.
+    """
+    from peft.config import PeftConfigMixin
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    if getattr(PeftConfigMixin, "_peftplug_hint_installed", False):
+        return
+
+    def check(peft_type: Any) -> None:
+        known = {getattr(k, "value", k) for k in PEFT_TYPE_TO_CONFIG_MAPPING}
+        if str(getattr(peft_type, "value", peft_type)) not in known:
+            raise UnregisteredAdapterError(unknown_type_message(peft_type))
+
+    original_get_type = PeftConfigMixin._get_peft_type.__func__
+
+    @functools.wraps(original_get_type)
+    def _get_peft_type(cls, model_id, **kwargs):
+        peft_type = original_get_type(cls, model_id, **kwargs)
+        check(peft_type)
+        return peft_type
+
+    original_from_type = PeftConfigMixin.from_peft_type.__func__
+
+    @functools.wraps(original_from_type)
+    def from_peft_type(cls, **kwargs):
+        if "peft_type" in kwargs:
+            check(kwargs["peft_type"])
+        return original_from_type(cls, **kwargs)
+
+    PeftConfigMixin._get_peft_type = classmethod(_get_peft_type)
+    PeftConfigMixin.from_peft_type = classmethod(from_peft_type)
+    PeftConfigMixin._peftplug_hint_installed = True
+
+
+def peft_version_supported() -> bool:
+    """Whether the installed PEFT is inside the range this module was tested against."""
+    return SUPPORTED_PEFT[0] <= Version(peft.__version__) < SUPPORTED_PEFT[1]

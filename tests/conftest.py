@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny offline models and tokenizer, the shared data directory, and a fresh-process runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR = Path(os.environ.get("PEFTPLUG_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """Offline character-level tokenizer (pad id 0)."""
+    from peftplug.tiny import char_tokenizer
+
+    return char_tokenizer()
+
+
+@pytest.fixture
+def tiny_model():
+    """Factory: ``tiny_model(family="llama", task="causal_lm", seed=0, **config_overrides)``."""
+    from peftplug.tiny import tiny_model as build
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The shared real-data directory; tests that need it skip when it is absent."""
+    if not DATA_DIR.is_dir():
+        pytest.skip(f"shared data directory {DATA_DIR} not present")
+    return DATA_DIR
+
+
+@pytest.fixture
+def run_fresh(tmp_path):
+    """Runs a Python snippet in a fresh interpreter (cwd = repo root) and returns its stdout.
+
+    Use sparingly: every fresh process pays the ~10 s import of peft/transformers.
+    """
+
+    def run(code: str, timeout: int = 240, check: bool = True) -> subprocess.CompletedProcess:
+        script = tmp_path / "fresh_snippet.py"
+        script.write_text(textwrap.dedent(code))
+        proc = subprocess.run(
+            [sys.executable, str(script)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"fresh process failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    return run
