@@ -1,0 +1,51 @@
+"""OFTv2: input-centric orthogonal finetuning with the Cayley–Neumann parameterisation, as a PEFT method.
+
+Importing this package registers the ``OFTV2`` PEFT type, so ``peft.get_peft_model(model, OFTv2Config(...))`` and
+``PeftModel.from_pretrained`` of a saved OFTv2 adapter work afterwards.
+"""
+
+from __future__ import annotations
+
+from peftplug.registry import register_method
+
+from .config import OFTv2Config
+from .layer import Linear, OFTv2Layer
+from .model import OFTv2Model
+
+register_method("oftv2", OFTv2Config, OFTv2Model, prefix="oftv2_")
+
+from .diagnostics import (  # noqa: E402
+    LayerDiagnostics,
+    NeumannDivergenceWarning,
+    format_diagnostics,
+    rotation_diagnostics,
+)
+from .interop import (  # noqa: E402
+    export_peft_oft_adapter,
+    load_peft_oft_adapter,
+    oft_config_from_oftv2,
+    oftv2_config_from_oft,
+    oftv2_terms_to_peft,
+    peft_terms_to_oftv2,
+    state_dict_from_peft_oft,
+    state_dict_to_peft_oft,
+)
+
+__all__ = [
+    "OFTv2Config",
+    "OFTv2Model",
+    "OFTv2Layer",
+    "Linear",
+    "LayerDiagnostics",
+    "NeumannDivergenceWarning",
+    "rotation_diagnostics",
+    "format_diagnostics",
+    "export_peft_oft_adapter",
+    "load_peft_oft_adapter",
+    "oft_config_from_oftv2",
+    "oftv2_config_from_oft",
+    "oftv2_terms_to_peft",
+    "peft_terms_to_oftv2",
+    "state_dict_from_peft_oft",
+    "state_dict_to_peft_oft",
+]

@@ -1,0 +1,345 @@
+"""Conversion between OFTv2 adapters and PEFT's own OFT adapters (``peft_type: OFT``, PEFT >= 0.18 layout).
+
+Both store each block's skew matrix Q as its strict upper triangle (``triu_indices(b, b, 1)`` order), shape
+``[n_blocks or 1, b(b-1)/2]``, and both rotate the input (``x' = x R``). The forms map as follows:
+
+=====================================  ========================================  ===========================
+PEFT ``OFTConfig``                      OFTv2                                     parameters
+=====================================  ========================================  ===========================
+``use_cayley_neumann=True``, n terms    ``orthogonalization="peft_cn"``, n terms  same Q
+``use_cayley_neumann=False`` (exact)    ``orthogonalization="cayley"``            Q negated
+=====================================  ========================================  ===========================
+
+PEFT's exact path solves ``X (I + Q) = I − Q``, i.e. ``X = (I − Q)(I + Q)⁻¹ = Cayley(−Q)``, the transpose of the
+rotation its Neumann path approximates. OFTv2 uses ``(I + Q)(I − Q)⁻¹`` everywhere, so an exact adapter changes
+sign on the way through. Both mappings reproduce the outputs to fp32 rounding.
+
+PEFT's polynomial for ``num_cayley_neumann_terms = n`` is ``I + 2Q + … + 2Qⁿ⁻² + Qⁿ⁻¹`` (OFTv2's ``"peft_cn"``)
+only for n >= 4: n = 2 gives ``I + 2Q`` (OFTv2's Taylor form with 2 terms) and n = 3 gives the same polynomial
+as n = 4 (checked against PEFT 0.21.2). :func:`peft_terms_to_oftv2` and :func:`oftv2_terms_to_peft` handle that.
+
+OFTv2's default ``"cayley_neumann"`` (Taylor) form has no PEFT equivalent (except with 2 terms), nor has
+``"peft_cn"`` with fewer than 4 terms: such adapters are exported as PEFT's exact Cayley (the map the series
+approximates), which differs by the truncation error O(||Q||^n); the export warns with the measured largest
+difference of the rotation entries. ``max_q_norm`` is baked into the exported Q.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+from peft import OFTConfig
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from kernels import ops
+
+from .config import OFTv2Config
+from .layer import OFTv2Layer, bound_q
+
+PEFT_KEY = ".oft_R.weight"
+OFTV2_KEY = ".oftv2_Q"
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+# Fields both configs share under the same name and meaning.
+_SHARED_FIELDS = (
+    "target_modules",
+    "exclude_modules",
+    "layers_to_transform",
+    "layers_pattern",
+    "modules_to_save",
+    "module_dropout",
+    "block_share",
+    "init_weights",
+    "task_type",
+    "base_model_name_or_path",
+    "revision",
+    "inference_mode",
+    "fan_in_fan_out",
+)
+
+
+def _plain(value):
+    return sorted(value) if isinstance(value, set) else value
+
+
+def peft_terms_to_oftv2(terms: int) -> tuple[str, int]:
+    """OFTv2 ``(orthogonalization, neumann_terms)`` computing the same R as PEFT's ``num_cayley_neumann_terms``.
+
+    Args:
+        terms: PEFT's ``num_cayley_neumann_terms`` (with ``use_cayley_neumann=True``).
+
+    Raises:
+        ValueError: For ``terms < 2`` (PEFT then applies R = I, which no OFTv2 form reproduces for all Q).
+    """
+    if terms < 2:
+        raise ValueError(
+            f"PEFT OFT with num_cayley_neumann_terms={terms} applies no rotation; nothing to convert"
+        )
+    if terms == 2:
+        return "cayley_neumann", 2  # PEFT: I + 2Q
+    return "peft_cn", max(terms, 4)  # PEFT's n = 3 computes the n = 4 polynomial
+
+
+def oftv2_terms_to_peft(form: str, terms: int) -> Optional[int]:
+    """PEFT's ``num_cayley_neumann_terms`` that reproduces an OFTv2 Neumann form, or ``None`` if none does.
+
+    Args:
+        form: OFTv2 orthogonalization.
+        terms: OFTv2 neumann_terms.
+    """
+    if form == "peft_cn" and terms >= 4:
+        return terms
+    if form == "cayley_neumann" and terms == 2:
+        return 2
+    return None
+
+
+def oftv2_config_from_oft(oft_config: OFTConfig) -> OFTv2Config:
+    """The OFTv2 config that reproduces a PEFT ``OFTConfig`` (see the module docstring for the form mapping).
+
+    Args:
+        oft_config: A PEFT OFT config.
+
+    Raises:
+        ValueError: For features OFTv2 does not have (COFT) or a config that is not OFT.
+    """
+    if str(getattr(oft_config.peft_type, "value", oft_config.peft_type)) != "OFT":
+        raise ValueError(
+            f"expected a PEFT OFT config (peft_type 'OFT'), got peft_type {oft_config.peft_type!r}"
+        )
+    if oft_config.coft:
+        raise ValueError("PEFT OFT adapters with coft=True (constrained OFT) have no OFTv2 equivalent")
+    kwargs = {f: _plain(getattr(oft_config, f)) for f in _SHARED_FIELDS if hasattr(oft_config, f)}
+    if oft_config.oft_block_size:
+        kwargs["block_size"] = oft_config.oft_block_size
+    else:
+        kwargs["r"] = oft_config.r
+    if oft_config.use_cayley_neumann:
+        form, terms = peft_terms_to_oftv2(oft_config.num_cayley_neumann_terms)
+        kwargs.update(orthogonalization=form, neumann_terms=terms)
+    else:
+        kwargs["orthogonalization"] = "cayley"
+    kwargs["bias"] = {"oft_only": "oftv2_only"}.get(oft_config.bias, oft_config.bias)
+    return OFTv2Config(**kwargs)
+
+
+def oft_config_from_oftv2(config: OFTv2Config) -> OFTConfig:
+    """The PEFT ``OFTConfig`` an OFTv2 config exports to (forms without a PEFT twin -> exact Cayley, see above).
+
+    Args:
+        config: An OFTv2 config.
+    """
+    kwargs = {f: _plain(getattr(config, f)) for f in _SHARED_FIELDS}
+    if config.block_size is not None:
+        kwargs.update(oft_block_size=config.block_size, r=0)
+    else:
+        kwargs.update(oft_block_size=0, r=config.r)
+    peft_terms = oftv2_terms_to_peft(config.orthogonalization, config.neumann_terms)
+    if peft_terms is not None:
+        kwargs.update(use_cayley_neumann=True, num_cayley_neumann_terms=peft_terms)
+    else:
+        kwargs["use_cayley_neumann"] = False
+    kwargs["bias"] = {"oftv2_only": "oft_only"}.get(config.bias, config.bias)
+    return OFTConfig(**kwargs)
+
+
+def _negates(form_is_exact: bool) -> float:
+    return -1.0 if form_is_exact else 1.0
+
+
+def state_dict_from_peft_oft(
+    state_dict: dict[str, torch.Tensor], oft_config: OFTConfig
+) -> dict[str, torch.Tensor]:
+    """Renames (and for exact Cayley negates) a saved PEFT OFT adapter state dict into OFTv2's layout.
+
+    Args:
+        state_dict: As saved by PEFT (adapter name removed), keys ``...oft_R.weight``.
+        oft_config: The adapter's config.
+
+    Raises:
+        ValueError: If the dict holds no OFT rotation or tensors OFTv2 cannot represent.
+    """
+    sign = _negates(not oft_config.use_cayley_neumann)
+    out = {}
+    for key, value in state_dict.items():
+        if key.endswith(PEFT_KEY):
+            out[key[: -len(PEFT_KEY)] + OFTV2_KEY] = sign * value
+        elif ".oft_" in key:
+            raise ValueError(f"unsupported PEFT OFT tensor {key!r} (only Linear rotations `oft_R` convert)")
+        else:
+            out[key] = value  # modules_to_save, biases
+    if not any(k.endswith(OFTV2_KEY) for k in out):
+        raise ValueError(f"no PEFT OFT rotation (keys ending in {PEFT_KEY!r}) in the state dict")
+    return out
+
+
+def state_dict_to_peft_oft(
+    state_dict: dict[str, torch.Tensor], config: OFTv2Config
+) -> dict[str, torch.Tensor]:
+    """Renames an OFTv2 adapter state dict (adapter name removed) into PEFT OFT's layout.
+
+    Applies ``max_q_norm`` and, for forms exported as PEFT's exact Cayley (see :func:`oft_config_from_oftv2`),
+    negates Q.
+
+    Args:
+        state_dict: Keys ``...oftv2_Q`` (as ``get_peft_model_state_dict`` returns them).
+        config: The adapter's config.
+    """
+    sign = _negates(oftv2_terms_to_peft(config.orthogonalization, config.neumann_terms) is None)
+    out = {}
+    for key, value in state_dict.items():
+        if key.endswith(OFTV2_KEY):
+            out[key[: -len(OFTV2_KEY)] + PEFT_KEY] = sign * bound_q(value, config.max_q_norm)
+        else:
+            out[key] = value
+    return out
+
+
+def _series_gap(model: nn.Module, adapter_name: str) -> float:
+    """Largest |R_series − R_exact| entry over the OFTv2 layers of ``model`` (what an inexact export changes)."""
+    gap = 0.0
+    for module in model.modules():
+        if isinstance(module, OFTv2Layer) and adapter_name in module.oftv2_Q:
+            with torch.no_grad():
+                q = module.effective_q(adapter_name).double()
+                b = module.oftv2_block_size[adapter_name]
+                approx = module.get_rotation(adapter_name).double()
+                exact = ops.cayley_neumann(q, b, form="cayley", impl="torch")
+                gap = max(gap, float((approx - exact).abs().max()))
+    return gap
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def export_peft_oft_adapter(
+    peft_model: nn.Module, out_dir: str | os.PathLike, adapter_name: str = "default"
+) -> Path:
+    """Writes an OFTv2 adapter as a PEFT OFT adapter directory that vanilla PEFT loads.
+
+    Args:
+        peft_model: A ``PeftModel`` holding the OFTv2 adapter.
+        out_dir: Directory to write ``adapter_config.json`` and ``adapter_model.safetensors`` into.
+        adapter_name: Which adapter.
+
+    Returns:
+        The output directory.
+    """
+    from peft import get_peft_model_state_dict
+
+    config = peft_model.peft_config[adapter_name]
+    if not isinstance(config, OFTv2Config):
+        raise ValueError(f"adapter {adapter_name!r} is not an OFTv2 adapter ({type(config).__name__})")
+    if (
+        config.orthogonalization != "cayley"
+        and oftv2_terms_to_peft(config.orthogonalization, config.neumann_terms) is None
+    ):
+        gap = _series_gap(peft_model, adapter_name)
+        warnings.warn(
+            f"PEFT has no equivalent of orthogonalization={config.orthogonalization!r} with "
+            f"{config.neumann_terms} terms: exporting as PEFT's exact Cayley (use_cayley_neumann=False); rotation "
+            f"entries change by at most {gap:.2e}. Train with orthogonalization='peft_cn' (>= 4 terms) or "
+            "'cayley' for an exact export.",
+            stacklevel=2,
+        )
+    state = state_dict_to_peft_oft(get_peft_model_state_dict(peft_model, adapter_name=adapter_name), config)
+    oft_config = oft_config_from_oftv2(config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config_dict = {k: _plain(v) for k, v in oft_config.to_dict().items()}
+    config_dict["peft_type"] = "OFT"
+    config_dict["task_type"] = _plain(getattr(config.task_type, "value", config.task_type))
+    import peft
+
+    config_dict["peft_version"] = peft.__version__
+
+    def write_config(tmp):
+        with open(tmp, "w") as fh:
+            json.dump(config_dict, fh, indent=2, sort_keys=True)
+
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    _atomic_write(out / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    _atomic_write(out / CONFIG_NAME, write_config)
+    return out
+
+
+def _read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    config_path = adapter_dir / CONFIG_NAME
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: not a PEFT adapter directory")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path} is not valid JSON ({err})") from err
+    if raw.get("peft_type") != "OFT":
+        raise ValueError(f"{config_path} has peft_type {raw.get('peft_type')!r}; expected 'OFT'")
+    weights = adapter_dir / WEIGHTS_NAME
+    if weights.is_file():
+        try:
+            return raw, load_file(weights)
+        except Exception as err:  # safetensors raises its own error types
+            raise ValueError(f"{weights} is not a readable safetensors file ({err})") from err
+    legacy = adapter_dir / "adapter_model.bin"
+    if legacy.is_file():
+        return raw, torch.load(legacy, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"no {WEIGHTS_NAME} (or adapter_model.bin) in {adapter_dir}")
+
+
+def load_peft_oft_adapter(
+    model: nn.Module,
+    adapter_dir: str | os.PathLike,
+    adapter_name: str = "default",
+    is_trainable: bool = False,
+    config_overrides: Optional[dict] = None,
+):
+    """Loads a PEFT OFT adapter directory into ``model`` as an OFTv2 adapter.
+
+    Args:
+        model: The base model (a plain ``transformers`` model).
+        adapter_dir: Directory with ``adapter_config.json`` (peft_type OFT) and the weights.
+        adapter_name: Name for the adapter.
+        is_trainable: Keep the adapter trainable (else inference mode).
+        config_overrides: Extra OFTv2Config fields (e.g. ``{"kernel_impl": "torch"}``).
+
+    Returns:
+        The ``PeftModel`` with the OFTv2 adapter, producing the same outputs as PEFT's OFT.
+    """
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    adapter_dir = Path(adapter_dir)
+    raw, state = _read_adapter(adapter_dir)
+    known = set(OFTConfig.__dataclass_fields__)
+    oft_config = OFTConfig(**{k: v for k, v in raw.items() if k in known and k != "peft_type"})
+    config = oftv2_config_from_oft(oft_config)
+    for key, value in (config_overrides or {}).items():
+        setattr(config, key, value)
+    config.inference_mode = not is_trainable
+    config._validate()
+    peft_model = get_peft_model(model, config, adapter_name=adapter_name)
+    converted = state_dict_from_peft_oft(state, oft_config)
+    result = set_peft_model_state_dict(peft_model, converted, adapter_name=adapter_name)
+    unexpected = [k for k in result.unexpected_keys if "oftv2_" in k or k in converted]
+    missing = [k for k in result.missing_keys if f"oftv2_Q.{adapter_name}" in k]
+    if unexpected or missing:
+        raise ValueError(
+            f"PEFT OFT adapter {adapter_dir} does not fit this model: unexpected {unexpected[:5]}, missing {missing[:5]}"
+        )
+    if not is_trainable:
+        peft_model.eval()
+    return peft_model

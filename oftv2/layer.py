@@ -1,0 +1,351 @@
+"""OFTv2 tuner layers: rotate the input block-wise, then call the untouched base layer.
+
+Conventions (row vectors, PyTorch weight layout ``W``: out × in, ``y = x Wᵀ + b``):
+    forward   ``y = base_layer(x R)`` with ``R`` block-diagonal (``kernels.ops.block_rotate``);
+    merge     ``W' = W Rᵀ`` (so that ``x' Wᵀ = x (W Rᵀ)ᵀ``);
+    unmerge   ``W = W' R⁻ᵀ`` computed with a linear solve, exact even when a truncated Neumann series
+              made ``R`` slightly non-orthogonal.
+Several active adapters compose as successive rotations in ``active_adapters`` order:
+``y = base_layer(x R₁ R₂ … Rₙ)``, hence a merge folds them in as ``W Rₙᵀ … R₁ᵀ``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
+from torch import nn
+
+from kernels import ops
+from kernels.cayley_neumann.reference import triangle_size
+
+from .config import OFTv2Config
+
+
+@dataclass(frozen=True)
+class RotationSettings:
+    """How one adapter turns its parameters into rotation blocks.
+
+    Args:
+        form: ``"cayley_neumann"``, ``"cayley"`` or ``"peft_cn"``.
+        terms: Neumann series length.
+        dropout: Block-dropout probability (training mode only).
+        max_q_norm: Frobenius-norm bound per skew block, or ``None``.
+        block_share: Whether one block is shared across the width.
+        impl: Kernel implementation (``"auto"``, ``"torch"``, ``"triton"``).
+    """
+
+    form: str
+    terms: int
+    dropout: float
+    max_q_norm: Optional[float]
+    block_share: bool
+    impl: str
+
+
+def valid_block_sizes(width: int) -> list[int]:
+    """Block sizes (>= 2) that divide ``width``.
+
+    Args:
+        width: A layer's input width.
+    """
+    return [b for b in range(2, width + 1) if width % b == 0]
+
+
+def resolve_block_size(width: int, block_size: Optional[int], r: Optional[int], layer_name: str = "") -> int:
+    """The block size a layer of input ``width`` gets from a config's ``block_size`` or ``r``.
+
+    Args:
+        width: The layer's input width.
+        block_size: Requested block size, or ``None`` when ``r`` is given.
+        r: Requested number of blocks, or ``None``.
+        layer_name: Used in the error message.
+
+    Raises:
+        ValueError: If the width is not divisible as requested; lists the valid values.
+    """
+    where = f" of layer {layer_name!r}" if layer_name else ""
+    if block_size is not None:
+        if width % block_size != 0:
+            raise ValueError(
+                f"block_size={block_size} does not divide the input width {width}{where}; "
+                f"valid block sizes: {valid_block_sizes(width)} (or exclude the layer via exclude_modules)"
+            )
+        return block_size
+    if r is None or width % r != 0 or width // r < 2:
+        raise ValueError(
+            f"r={r} blocks do not split the input width {width}{where} into equal blocks of size >= 2; "
+            f"valid r: {[width // b for b in valid_block_sizes(width)]}"
+        )
+    return width // r
+
+
+def bound_q(q_vec: torch.Tensor, max_q_norm: Optional[float]) -> torch.Tensor:
+    """Rescales each block's triangle so that its skew matrix has Frobenius norm <= ``max_q_norm``.
+
+    Differentiable; blocks inside the bound are unchanged. ``||Q||_2 <= ||Q||_F``, so a bound < 1 keeps the
+    Neumann series convergent.
+
+    Args:
+        q_vec: ``[n_blocks, b(b-1)/2]`` triangles.
+        max_q_norm: The bound, or ``None`` (returns ``q_vec``).
+    """
+    if max_q_norm is None:
+        return q_vec
+    # ||Q_i||_F = sqrt(2) ||triangle_i||: each entry appears twice in the skew matrix.
+    work = torch.promote_types(q_vec.dtype, torch.float32)
+    norms = math.sqrt(2.0) * torch.linalg.vector_norm(q_vec.to(work), dim=-1, keepdim=True)
+    scale = torch.clamp(max_q_norm / norms.clamp_min(torch.finfo(torch.float32).tiny), max=1.0)
+    return q_vec * scale.to(q_vec.dtype)
+
+
+class OFTv2Layer(BaseTunerLayer):
+    """Adapter state shared by every OFTv2 layer type: per-adapter skew parameters and their settings.
+
+    Subclasses for other base layers (e.g. quantized ones) override :meth:`_get_base_weight` and
+    :meth:`_set_base_weight`; merge/unmerge only go through those two.
+
+    Args:
+        base_layer: The layer being adapted (``nn.Linear``, GPT-2 ``Conv1D``, or a quantized linear).
+        **kwargs: Kept for PEFT compatibility.
+    """
+
+    adapter_layer_names: tuple[str, ...] = ("oftv2_Q",)
+    other_param_names: tuple[str, ...] = ("oftv2_block_size", "oftv2_n_blocks", "oftv2_settings")
+
+    def __init__(self, base_layer: nn.Module, **kwargs) -> None:
+        self.base_layer = base_layer
+        # Strict upper triangles of the skew blocks: [n_blocks (1 if shared), b(b-1)/2] per adapter.
+        self.oftv2_Q = nn.ParameterDict({})
+        self.oftv2_block_size: dict[str, int] = {}
+        self.oftv2_n_blocks: dict[str, int] = {}
+        self.oftv2_settings: dict[str, RotationSettings] = {}
+        self._disable_adapters = False
+        self.merged_adapters = []
+        self.kwargs = kwargs
+        in_features, out_features = _get_in_out_features(self.get_base_layer())
+        self.in_features = in_features
+        self.out_features = out_features
+
+    def update_layer(
+        self, adapter_name: str, config: OFTv2Config, inference_mode: bool = False, **kwargs
+    ) -> None:
+        """Adds (or re-creates) the adapter ``adapter_name`` on this layer.
+
+        Args:
+            adapter_name: Name of the adapter.
+            config: Its configuration.
+            inference_mode: Whether the adapter is frozen.
+            **kwargs: ``layer_name`` for error messages.
+        """
+        b = resolve_block_size(self.in_features, config.block_size, config.r, kwargs.get("layer_name", ""))
+        n_blocks = self.in_features // b
+        rows = 1 if config.block_share else n_blocks
+        self.oftv2_Q[adapter_name] = nn.Parameter(torch.zeros(rows, triangle_size(b)))
+        if not config.init_weights:
+            with torch.no_grad():
+                nn.init.normal_(self.oftv2_Q[adapter_name], mean=0.0, std=0.1)
+        self.oftv2_block_size[adapter_name] = b
+        self.oftv2_n_blocks[adapter_name] = n_blocks
+        self.oftv2_settings[adapter_name] = RotationSettings(
+            form=config.orthogonalization,
+            terms=config.neumann_terms,
+            dropout=float(config.module_dropout),
+            max_q_norm=config.max_q_norm,
+            block_share=config.block_share,
+            impl=config.kernel_impl,
+        )
+        self._move_adapter_to_device_of_base_layer(adapter_name)
+        self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+
+    # ----------------------------------------------------------------------------------------------- rotation
+    def effective_q(self, adapter_name: str) -> torch.Tensor:
+        """The adapter's triangle parameters after the optional ``max_q_norm`` bound (differentiable).
+
+        Args:
+            adapter_name: Name of the adapter.
+        """
+        return bound_q(self.oftv2_Q[adapter_name], self.oftv2_settings[adapter_name].max_q_norm)
+
+    def get_rotation(self, adapter_name: str, apply_dropout: bool = False) -> torch.Tensor:
+        """Rotation blocks of one adapter, ``[n_blocks, b, b]`` (``[1, b, b]`` when shared and not dropped).
+
+        Args:
+            adapter_name: Name of the adapter.
+            apply_dropout: Apply block dropout (each block replaced by ``I`` with probability ``module_dropout``).
+        """
+        settings = self.oftv2_settings[adapter_name]
+        b = self.oftv2_block_size[adapter_name]
+        rotation = ops.cayley_neumann(
+            self.effective_q(adapter_name), b, terms=settings.terms, form=settings.form, impl=settings.impl
+        )
+        if apply_dropout and settings.dropout > 0.0:
+            n_blocks = self.oftv2_n_blocks[adapter_name]
+            rotation = rotation.expand(n_blocks, b, b)
+            drop = torch.rand(n_blocks, 1, 1, device=rotation.device) < settings.dropout
+            eye = torch.eye(b, dtype=rotation.dtype, device=rotation.device)
+            rotation = torch.where(drop, eye, rotation)
+        return rotation
+
+    def rotate_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x R₁ … Rₙ`` over the active adapters of this layer (dropout in training mode).
+
+        Args:
+            x: ``[..., in_features]``.
+        """
+        for name in self.active_adapters:
+            if name not in self.oftv2_Q:
+                continue
+            rotation = self.get_rotation(name, apply_dropout=self.training)
+            x = ops.block_rotate(x, rotation, impl=self.oftv2_settings[name].impl)
+        return x
+
+    # ----------------------------------------------------------------------------------- base weight access
+    def _get_base_weight(self) -> torch.Tensor:
+        """The base weight as ``out × in`` (a view when possible). Override for quantized bases."""
+        weight = self.get_base_layer().weight.data
+        return weight.T if getattr(self, "fan_in_fan_out", False) else weight
+
+    def _set_base_weight(self, weight: torch.Tensor) -> None:
+        """Writes an ``out × in`` weight back into the base layer in place. Override for quantized bases.
+
+        Args:
+            weight: New weight, ``out × in``.
+        """
+        target = self.get_base_layer().weight
+        new = weight.T if getattr(self, "fan_in_fan_out", False) else weight
+        with torch.no_grad():
+            # In place: keeps the Parameter object (optimizers, tied weights) and its dtype.
+            target.data.copy_(new.to(target.dtype))
+
+    def _apply_rotation_to_weight(
+        self, weight: torch.Tensor, adapter_name: str, inverse: bool
+    ) -> torch.Tensor:
+        """``W Rᵀ`` (or the exact ``W R⁻ᵀ`` when ``inverse``), block-wise, in at least fp32.
+
+        Args:
+            weight: ``out × in``.
+            adapter_name: Whose rotation.
+            inverse: Undo instead of apply.
+        """
+        b = self.oftv2_block_size[adapter_name]
+        n_blocks = self.oftv2_n_blocks[adapter_name]
+        work = torch.promote_types(weight.dtype, torch.float32)
+        with torch.no_grad():
+            rotation = self.get_rotation(adapter_name).to(work).expand(n_blocks, b, b)
+            w = weight.to(work).reshape(weight.shape[0], n_blocks, b)
+            if not inverse:
+                out = torch.einsum("oik,ick->oic", w, rotation)
+            else:
+                # X Rᵢᵀ = W'ᵢ  <=>  Rᵢ Xᵢᵀ = W'ᵢᵀ : one solve per block (exact inverse, orthogonal or not).
+                out = torch.linalg.solve(rotation, w.permute(1, 2, 0)).permute(2, 0, 1)
+        return out.reshape(weight.shape)
+
+    # -------------------------------------------------------------------------------------- merge / unmerge
+    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+        """Folds the adapters into the base weight: ``W ← W Rₙᵀ … R₁ᵀ``.
+
+        Args:
+            safe_merge: Compute on a copy and raise ``ValueError`` before writing if it is not finite.
+            adapter_names: Adapters to merge (default: the active ones), in forward order.
+        """
+        adapter_names = [a for a in check_adapters_to_merge(self, adapter_names) if a in self.oftv2_Q]
+        if not adapter_names:
+            return
+        weight = self._get_base_weight()
+        # The forward applies R₁ first, so its transpose must end up rightmost: fold from the last adapter.
+        order = list(reversed(adapter_names))
+        for name in order:
+            weight = self._apply_rotation_to_weight(weight, name, inverse=False)
+            if safe_merge and not torch.isfinite(weight).all():
+                raise ValueError(
+                    f"NaNs or infs in the merged weight: the OFTv2 adapter {name!r} seems to be broken"
+                )
+        self._set_base_weight(weight)
+        self.merged_adapters.extend(order)
+
+    def unmerge(self) -> None:
+        """Restores the base weight by undoing the merged rotations (exact inverse, last merged first)."""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+            return
+        weight = self._get_base_weight()
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            if name in self.oftv2_Q:
+                weight = self._apply_rotation_to_weight(weight, name, inverse=True)
+        self._set_base_weight(weight)
+
+    def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
+        """The dense block-diagonal ``R`` (in × in) of an adapter (diagnostics; merging never forms it).
+
+        Args:
+            adapter_name: Name of the adapter.
+        """
+        n_blocks = self.oftv2_n_blocks[adapter_name]
+        b = self.oftv2_block_size[adapter_name]
+        blocks = self.get_rotation(adapter_name).expand(n_blocks, b, b)
+        return torch.block_diag(*blocks.unbind(0))
+
+
+class Linear(nn.Module, OFTv2Layer):
+    """OFTv2 around ``nn.Linear`` or GPT-2 ``Conv1D`` (``fan_in_fan_out=True``: weight stored in × out).
+
+    Args:
+        base_layer: The layer to adapt.
+        adapter_name: Name of the first adapter.
+        config: Its configuration.
+        fan_in_fan_out: Whether the base weight is stored ``in × out``.
+        **kwargs: ``layer_name`` for error messages.
+    """
+
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        adapter_name: str,
+        config: OFTv2Config,
+        fan_in_fan_out: bool = False,
+        **kwargs,
+    ) -> None:
+        super().__init__()
+        OFTv2Layer.__init__(self, base_layer, **kwargs)
+        self.fan_in_fan_out = fan_in_fan_out
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, config, **kwargs)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        if self.merged:
+            return self.base_layer(x, *args, **kwargs)
+        return self.base_layer(self.rotate_input(x), *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return "oftv2." + super().__repr__()
+
+
+def dispatch_default(
+    target: nn.Module, adapter_name: str, config: OFTv2Config, **kwargs
+) -> Optional[nn.Module]:
+    """Wraps ``nn.Linear`` and GPT-2 ``Conv1D`` layers; returns ``None`` for anything else.
+
+    Args:
+        target: The module to adapt (possibly already a tuner layer of another method).
+        adapter_name: Name of the adapter.
+        config: Its configuration.
+        **kwargs: Passed to the layer.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+    if isinstance(base, nn.Linear):
+        return Linear(target, adapter_name, config, fan_in_fan_out=False, **kwargs)
+    if isinstance(base, Conv1D):
+        return Linear(target, adapter_name, config, fan_in_fan_out=True, **kwargs)
+    return None

@@ -1,0 +1,85 @@
+"""The OFTv2 tuner: finds the target layers and wraps them (``peft.get_peft_model`` drives it)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Callable, Optional
+
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from peft.utils import TRANSFORMERS_MODELS_TO_OFT_TARGET_MODULES_MAPPING
+from torch import nn
+
+from .config import OFTv2Config
+from .layer import OFTv2Layer, dispatch_default
+
+Dispatcher = Callable[..., Optional[nn.Module]]
+
+
+def dispatchers() -> list[Dispatcher]:
+    """Layer factories tried in order; the first that returns a module wins.
+
+    Quantized-base dispatchers from ``oftv2.bnb`` (when that module exists) come first: either its
+    ``DISPATCHERS`` list, or its ``dispatch_bnb_8bit`` / ``dispatch_bnb_4bit`` functions. Each has the signature
+    ``(target, adapter_name, config, **kwargs) -> nn.Module | None``. The default (``nn.Linear``, ``Conv1D``) is last.
+    """
+    found: list[Dispatcher] = []
+    # find_spec, not a bare import: the module is optional, and an ImportError *inside* it must not be swallowed.
+    if importlib.util.find_spec("oftv2.bnb") is not None:
+        bnb = importlib.import_module("oftv2.bnb")
+        listed = getattr(bnb, "DISPATCHERS", None)
+        if listed is not None:
+            found.extend(listed)
+        else:
+            found.extend(
+                f for f in (getattr(bnb, n, None) for n in ("dispatch_bnb_8bit", "dispatch_bnb_4bit")) if f
+            )
+    found.append(dispatch_default)
+    return found
+
+
+class OFTv2Model(BaseTuner):
+    """Injects OFTv2 layers into a model. Use through ``peft.get_peft_model(model, OFTv2Config(...))``.
+
+    Args:
+        model: The model to adapt.
+        config: An ``OFTv2Config`` (or a dict of them keyed by adapter name).
+        adapter_name: Name of the adapter.
+        low_cpu_mem_usage: Create the adapter weights on the meta device (PEFT's loading fast path).
+        state_dict: Optional state dict PEFT passes through on load.
+    """
+
+    prefix: str = "oftv2_"
+    tuner_layer_cls = OFTv2Layer
+    target_module_mapping = TRANSFORMERS_MODELS_TO_OFT_TARGET_MODULES_MAPPING
+
+    def _create_and_replace(
+        self, config, adapter_name, target, target_name, parent, current_key, **optional_kwargs
+    ):
+        if current_key is None:
+            raise ValueError("current_key must not be None")
+        if isinstance(target, OFTv2Layer):
+            target.update_layer(adapter_name, config, layer_name=current_key)
+            return
+        new_module = self._create_new_module(config, adapter_name, target, layer_name=current_key)
+        if adapter_name not in self.active_adapters:
+            # An added (not active) adapter starts frozen, as in PEFT's own tuners.
+            new_module.requires_grad_(False)
+        self._replace_module(parent, target_name, new_module, target)
+
+    @staticmethod
+    def _create_new_module(config: OFTv2Config, adapter_name: str, target: nn.Module, **kwargs) -> nn.Module:
+        for dispatch in dispatchers():
+            new_module = dispatch(target, adapter_name, config, **kwargs)
+            if new_module is not None:
+                return new_module
+        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        raise TypeError(
+            f"OFTv2 cannot adapt {kwargs.get('layer_name', 'this module')!r} of type {type(base).__name__}: supported "
+            "are torch.nn.Linear, transformers' Conv1D and (with oftv2.bnb) bitsandbytes Linear4bit/Linear8bitLt"
+        )
+
+    def _check_merge_allowed(self):
+        super()._check_merge_allowed()
+        if getattr(self.model, "quantization_method", None) == "gptq":
+            raise ValueError("Cannot merge OFTv2 layers into a GPTQ-quantized model")

@@ -1,0 +1,80 @@
+"""OFTv2Config: defaults, the block_size/r choice, and rejection of every invalid value."""
+
+from __future__ import annotations
+
+import pytest
+
+import oftv2  # noqa: F401  (registers the PEFT type)
+from oftv2 import OFTv2Config
+
+
+def test_defaults_and_peft_type():
+    config = OFTv2Config(target_modules=["q_proj"])
+    assert config.block_size == 32 and config.r is None
+    assert config.orthogonalization == "cayley_neumann" and config.neumann_terms == 5
+    assert str(config.peft_type.value) == "OFTV2"
+    assert config.target_modules == {"q_proj"}
+
+
+def test_r_instead_of_block_size():
+    config = OFTv2Config(r=4)
+    assert config.r == 4 and config.block_size is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(block_size=8, r=4), "block_size"),
+        (dict(block_size=1), "block_size"),
+        (dict(block_size=0), "block_size"),
+        (dict(block_size=8.0), "block_size"),
+        (dict(block_size=True), "block_size"),
+        (dict(r=0), "r"),
+        (dict(r=-2), "r"),
+        (dict(r=2.5), "r"),
+        (dict(orthogonalization="householder"), "orthogonalization"),
+        (dict(neumann_terms=1), "neumann_terms"),
+        (dict(neumann_terms=65), "neumann_terms"),
+        (dict(neumann_terms=3.0), "neumann_terms"),
+        (dict(block_share="yes"), "block_share"),
+        (dict(init_weights=0), "init_weights"),
+        (dict(fan_in_fan_out=1), "fan_in_fan_out"),
+        (dict(module_dropout=1.0), "module_dropout"),
+        (dict(module_dropout=-0.1), "module_dropout"),
+        (dict(module_dropout="0.1"), "module_dropout"),
+        (dict(max_q_norm=0.0), "max_q_norm"),
+        (dict(max_q_norm=-1.0), "max_q_norm"),
+        (dict(max_q_norm=float("inf")), "max_q_norm"),
+        (dict(max_q_norm=float("nan")), "max_q_norm"),
+        (dict(kernel_impl="cuda"), "kernel_impl"),
+        (dict(kernel_impl="triton", orthogonalization="cayley"), "kernel_impl"),
+        (dict(bias="lora_only"), "bias"),
+        (dict(target_modules=3), "target_modules"),
+        (dict(target_modules=""), "target_modules"),
+        (dict(target_modules=["q_proj", 1]), "target_modules"),
+        (dict(exclude_modules=[None]), "exclude_modules"),
+        (dict(modules_to_save="classifier"), "modules_to_save"),
+        (dict(layers_to_transform=-1), "layers_to_transform"),
+        (dict(layers_to_transform=[0, "1"]), "layers_to_transform"),
+        (dict(layers_to_transform=[]), "layers_to_transform"),
+        (dict(layers_pattern="layers"), "layers_pattern"),
+        (dict(layers_pattern=5, layers_to_transform=[0]), "layers_pattern"),
+    ],
+)
+def test_invalid_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        OFTv2Config(**kwargs)
+
+
+def test_bound_at_or_above_one_warns_under_neumann():
+    with pytest.warns(UserWarning, match="max_q_norm"):
+        OFTv2Config(max_q_norm=1.5)
+    OFTv2Config(max_q_norm=1.5, orthogonalization="cayley")  # exact Cayley has no convergence condition
+
+
+def test_round_trip_through_dict():
+    config = OFTv2Config(
+        r=4, orthogonalization="peft_cn", neumann_terms=7, max_q_norm=0.5, target_modules=["a"]
+    )
+    again = OFTv2Config(**{k: v for k, v in config.to_dict().items() if k != "peft_type"})
+    assert again.to_dict() == config.to_dict()
