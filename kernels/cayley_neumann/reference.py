@@ -31,7 +31,7 @@ def block_size_from_triangle(n_elements: int) -> int:
     Raises:
         ValueError: If no block size has that many strict-upper-triangle entries.
     """
-    b = int(round((1 + (1 + 8 * n_elements) ** 0.5) / 2))
+    b = round((1 + (1 + 8 * n_elements) ** 0.5) / 2)
     if triangle_size(b) != n_elements:
         raise ValueError(f"{n_elements} is not b(b-1)/2 for any block size b")
     return b

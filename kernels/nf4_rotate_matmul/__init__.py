@@ -1,1 +1,1 @@
-"""y = (x R) deq(W)^T with the rotation in the GEMM prologue and NF4 dequantized on the fly."""
+"""y = (x R) deq(W)^T with the rotation in the GEMM prologue and NF4/FP4 dequantized on the fly."""

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One command for the GPU machine: kernel + QOFT tests on CUDA, then benchmarks/gpu/bench.py.
+#   bash benchmarks/gpu/run_all.sh            # on a CUDA machine (≈ 3-5 min on one H200; hard cap 8 min)
+#   bash benchmarks/gpu/run_all.sh --dry-run  # same code paths at tiny sizes on CPU (Triton interpreter)
+# Everything is written under $OUT when set (else benchmarks/gpu/out): kernel_tests.txt, gpu_results.{json,md},
+# run_all.log. Afterwards, locally: python -m benchmarks.gpu.bench --merge-docs <that gpu_results.md>
+# bitsandbytes is not part of every CUDA image: if it does not import and a .whl/ folder of wheels sits at the
+# repository root, they are installed into /tmp/site first (see docs/qoft.md).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+
+DRY=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY=1 ;;
+    -h|--help) sed -n 2,8p "$0"; exit 0 ;;
+    *) echo "unknown argument: $arg" >&2; exit 2 ;;
+  esac
+done
+
+OUT_DIR="${OUT:-benchmarks/gpu/out}"
+mkdir -p "$OUT_DIR"
+LOG="$OUT_DIR/run_all.log"
+: >"$LOG"
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch" 2>/dev/null; then PY=.venv/bin/python; else PY=python3; fi
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+if ! "$PY" -c "import bitsandbytes" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+"$PY" -c "import torch, triton, bitsandbytes, peft, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$LOG" \
+  || { echo "missing a dependency (torch, triton, bitsandbytes, peft, transformers)" | tee -a "$LOG"; exit 3; }
+
+status=0
+if [ "$DRY" = 0 ]; then
+  # Kernel and QOFT tests on CUDA (compiled kernels, not the interpreter). Bounded: the benchmarks must still run.
+  PEFTPLUG_KERNELS_ON_GPU=1 timeout 200 "$PY" -m pytest -q -x -p no:cacheprovider tests/kernels tests/oftv2_bnb \
+    -k "not dry_run" 2>&1 | tee "$OUT_DIR/kernel_tests.txt" | tail -n 5 | tee -a "$LOG"
+  status=${PIPESTATUS[0]}
+  timeout 270 "$PY" -m benchmarks.gpu.bench --out "$OUT_DIR" 2>&1 | tee -a "$LOG"
+  bench=${PIPESTATUS[0]}
+else
+  timeout 300 "$PY" -m benchmarks.gpu.bench --dry-run --out "$OUT_DIR" 2>&1 | tee -a "$LOG"
+  bench=${PIPESTATUS[0]}
+fi
+echo "tests exit $status, benchmarks exit $bench; results in $OUT_DIR" | tee -a "$LOG"
+[ "$status" = 0 ] && [ "$bench" = 0 ]

@@ -1,0 +1,50 @@
+"""Autograd wrapper of the Triton block rotation, with a fused backward.
+
+Forward ``x' = x R`` block-wise. Backward: ``dX = dX' Rᵀ`` (the forward kernel with R's strides swapped) and
+``dR_blk = Σ_tokens x_blkᵀ dX'_blk`` (one reduction kernel); a shared ``[1, b, b]`` block also sums over blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton_available import load_kernel_module
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+class BlockRotateFunction(torch.autograd.Function):
+    """``BlockRotateFunction.apply(x, rotation)``: Triton forward and backward of :func:`kernels.ops.block_rotate`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        kernel = load_kernel_module("block_rotate")
+        rotation_c = rotation.contiguous()
+        x2 = _flat(x)
+        ctx.save_for_backward(x2, rotation_c)
+        ctx.x_shape = x.shape
+        return kernel.block_matmul(x2, rotation_c).reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        kernel = load_kernel_module("block_rotate")
+        x2, rotation = ctx.saved_tensors
+        g2 = _flat(grad_out)
+        grad_x = grad_rot = None
+        if ctx.needs_input_grad[0]:
+            grad_x = kernel.block_matmul(g2, rotation, transpose=True).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_rot = kernel.block_grad_rotation(x2, g2, rotation.shape[0], rotation.shape[-1]).to(rotation.dtype)
+        return grad_x, grad_rot
+
+
+def block_rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Differentiable Triton block rotation (shapes validated by :func:`kernels.ops.block_rotate`).
+
+    Args:
+        x: ``[..., n_blocks * b]``.
+        rotation: ``[n_blocks, b, b]`` or ``[1, b, b]``.
+    """
+    return BlockRotateFunction.apply(x, rotation)

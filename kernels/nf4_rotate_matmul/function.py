@@ -1,0 +1,59 @@
+"""Autograd wrapper of the fused rotate + 4-bit matmul.
+
+Forward: the fused Triton kernel. Backward (the 4-bit weight is frozen): ``dX' = dY deq(W)`` through one
+dequantized matmul, then the block-rotation backward kernels give ``dX = dX' Rᵀ`` and ``dR = Σ x_blkᵀ dX'_blk``;
+``dbias = Σ dY`` when the bias is trainable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton_available import load_kernel_module
+from kernels.nf4_rotate_matmul.reference import dequantize_4bit
+
+
+class NF4RotateMatmulFunction(torch.autograd.Function):
+    """``NF4RotateMatmulFunction.apply(x, rotation, weight, quant_state, bias)`` -> ``[..., out]``."""
+
+    @staticmethod
+    def forward(ctx, x, rotation, weight, quant_state, bias):
+        fused = load_kernel_module("nf4_rotate_matmul")
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        rotation_c = rotation.contiguous()
+        y = fused.rotate_dequant_matmul(x2, rotation_c, weight, quant_state, bias)
+        ctx.save_for_backward(x2, rotation_c, weight)
+        ctx.quant_state, ctx.x_shape, ctx.has_bias = quant_state, x.shape, bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rotate = load_kernel_module("block_rotate")
+        x2, rotation, weight = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_rot = grad_bias = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            w = dequantize_4bit(weight, ctx.quant_state, dtype=g2.dtype)
+            grad_rotated = (g2 @ w).contiguous()
+            if ctx.needs_input_grad[0]:
+                grad_x = rotate.block_matmul(grad_rotated, rotation, transpose=True).reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                grad_rot = rotate.block_grad_rotation(x2, grad_rotated, rotation.shape[0], rotation.shape[-1])
+                grad_rot = grad_rot.to(rotation.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[4]:
+            grad_bias = g2.float().sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_rot, None, None, grad_bias
+
+
+def nf4_rotate_matmul(x, rotation, weight, quant_state, bias=None):
+    """Differentiable fused rotate + 4-bit matmul (arguments validated by :func:`kernels.ops.nf4_rotate_matmul`).
+
+    Args:
+        x: ``[..., in]``.
+        rotation: ``[in / b, b, b]`` or ``[1, b, b]``.
+        weight: Packed 4-bit weight.
+        quant_state: Its ``QuantState``.
+        bias: Optional ``[out]``.
+    """
+    return NF4RotateMatmulFunction.apply(x, rotation, weight, quant_state, bias)

@@ -1,0 +1,476 @@
+"""QOFT: OFTv2 on bitsandbytes 4-bit (``Linear4bit``: NF4/FP4, with or without double quantization) and 8-bit
+(``Linear8bitLt``) bases.
+
+Forward: rotate the input block-wise (the adapter stays fp32/bf16), then call the quantized layer unchanged. On
+CUDA with Triton, a single active adapter on a 4-bit base runs the fused ``kernels.ops.nf4_rotate_matmul``
+(rotation in the GEMM prologue, 4-bit dequantized on the fly) instead.
+
+Merge into a quantized base: dequantize -> ``W Rᵀ`` (fp32) -> requantize with the same quant type, blocksize,
+double-quant setting and storage dtype; unmerge likewise with the exact inverse. Requantization moves the
+weights to a new 4-bit grid, so a merged quantized model is close to, not equal to, the unmerged adapter:
+:func:`merge_drift` measures that on a calibration batch, and :func:`merge_and_export_full_precision` avoids it by
+returning a full-precision model with the rotations folded in.
+
+This is the only module of ours that imports bitsandbytes, and only lazily: the dispatchers recognise bnb layers
+through ``sys.modules`` (a bnb layer can only exist once bitsandbytes is imported), so adapting an ordinary model
+never imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+from kernels import ops
+
+from .config import OFTv2Config
+from .layer import Linear, OFTv2Layer
+
+
+@functools.lru_cache(maxsize=1)
+def bnb_available() -> bool:
+    """Whether bitsandbytes imports (cached; it is an optional dependency at run time)."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception:  # noqa: BLE001  (ImportError, or a broken native library raising something else)
+        return False
+    return True
+
+
+def _bnb():
+    if not bnb_available():
+        raise ImportError("quantized OFTv2 layers need bitsandbytes (pip install bitsandbytes)")
+    import bitsandbytes
+
+    return bitsandbytes
+
+
+def _loaded_bnb_class(name: str) -> type | None:
+    """``bitsandbytes.nn.<name>`` if bitsandbytes is already imported, else ``None`` (imports nothing)."""
+    module = sys.modules.get("bitsandbytes.nn")
+    return getattr(module, name, None) if module is not None else None
+
+
+def _standard_4bit_layout(base: nn.Module, dtype: torch.dtype | None = None) -> None:
+    """Undoes bitsandbytes' CPU inference repacking (done in place by ``Linear4bit.forward`` in eval mode on
+    AVX512-BF16 CPUs), so the weight is back in the portable packed format our dequantization reads.
+
+    Args:
+        base: A bitsandbytes ``Linear4bit``.
+        dtype: The state's original dequantization dtype (the repacking rewrites it to bf16), if known.
+    """
+    weight = base.weight
+    if getattr(weight.quant_state, "packing_format_for_cpu", False):
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
+        if dtype is not None:
+            weight.quant_state.dtype = dtype
+
+
+def dequantize_4bit_weight(base: nn.Module, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The fp32 ``out × in`` weight of a ``Linear4bit`` (what its forward multiplies by).
+
+    Args:
+        base: A bitsandbytes ``Linear4bit``.
+        dtype: Passed to :func:`_standard_4bit_layout`.
+    """
+    _standard_4bit_layout(base, dtype)
+    weight = base.weight
+    return _bnb().functional.dequantize_4bit(weight.data, weight.quant_state).float()
+
+
+# Block scales tried by the "mse" requantization, as fractions of the block's absmax (1.0 = bitsandbytes' own).
+MSE_SCALE_GRID = tuple(0.70 + 0.025 * i for i in range(13))
+REQUANTIZATION_MODES = ("auto", "mse", "absmax")
+
+
+def resolve_requantization(mode: str, quant_type: str) -> str:
+    """``"auto"`` -> ``"mse"`` for NF4, ``"absmax"`` for FP4; other modes unchanged.
+
+    Measured (docs/benchmarks/qoft.md): MSE-optimal scales lowered the merged NF4 model's logit drift by ~10% in
+    every setting, while for FP4 the gain in weight error did not carry over to the outputs (±1% either way),
+    so FP4 keeps bitsandbytes' absmax scales.
+
+    Args:
+        mode: ``"auto"``, ``"mse"`` or ``"absmax"``.
+        quant_type: ``"nf4"`` or ``"fp4"``.
+    """
+    if mode == "auto":
+        return "mse" if quant_type == "nf4" else "absmax"
+    return mode
+
+
+def quantize_4bit(weight: torch.Tensor, quant_type: str, blocksize: int, nested: bool, dtype: torch.dtype,
+                  mode: str = "auto") -> tuple[torch.Tensor, Any]:
+    """Quantizes ``weight`` to the bitsandbytes 4-bit format (packed nibbles, high first; per-block absmax).
+
+    ``mode="absmax"`` reproduces ``bitsandbytes.functional.quantize_4bit`` (scale = block absmax).
+    ``mode="mse"`` picks, per block, the scale from :data:`MSE_SCALE_GRID` × absmax that minimises the block's
+    squared error (values beyond the scale are clipped to ±1 code). The stored format is unchanged — bitsandbytes
+    dequantizes ``code[nibble] * absmax`` whatever absmax holds — so any bnb kernel reads it; it only lowers the
+    requantization error of a merge.
+
+    Args:
+        weight: ``out × in`` weight.
+        quant_type: ``"nf4"`` or ``"fp4"``.
+        blocksize: Elements per scale.
+        nested: Double-quantize the scales (bitsandbytes' ``compress_statistics``).
+        dtype: The dtype the state dequantizes to.
+        mode: ``"mse"``, ``"absmax"`` or ``"auto"`` (see :func:`resolve_requantization`).
+
+    Returns:
+        ``(packed uint8 [(n + 1) // 2, 1], QuantState)``.
+    """
+    if mode not in REQUANTIZATION_MODES:
+        raise ValueError(f"requantization mode must be one of {REQUANTIZATION_MODES}, got {mode!r}")
+    mode = resolve_requantization(mode, quant_type)
+    bnbf = _bnb().functional
+    device = weight.device
+    flat = weight.detach().reshape(-1).float()
+    n = flat.numel()
+    padded = torch.nn.functional.pad(flat, (0, (-n) % blocksize))
+    blocks = padded.view(-1, blocksize)
+    amax = blocks.abs().amax(dim=1)
+    code = bnbf.get_4bit_type(quant_type, device=device)
+    order = torch.argsort(code)
+    midpoints = (code[order[:-1]] + code[order[1:]]) / 2
+    best_err = best_scale = best_idx = None
+    for alpha in (1.0,) if mode == "absmax" else MSE_SCALE_GRID:
+        scale = (amax * alpha).clamp(min=1e-38)
+        scaled = torch.clamp(blocks * (1.0 / scale.view(-1, 1)), -1, 1)
+        idx = order[torch.bucketize(scaled, midpoints, out_int32=True)]
+        err = ((code[idx] * scale.view(-1, 1) - blocks) ** 2).sum(dim=1)
+        if best_err is None:
+            best_err, best_scale, best_idx = err, amax * alpha, idx
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_scale = torch.where(better, amax * alpha, best_scale)
+            best_idx = torch.where(better.view(-1, 1), idx, best_idx)
+    q = best_idx.reshape(-1)[:n]
+    q = torch.nn.functional.pad(q, (0, n % 2)).to(torch.uint8)
+    packed = ((q[::2] << 4) | q[1::2]).unsqueeze(1)
+    absmax = best_scale.float()
+    if nested:
+        offset = absmax.mean()
+        qabsmax, state2 = bnbf.quantize_blockwise(absmax - offset, blocksize=256)
+        state = bnbf.QuantState(absmax=qabsmax, shape=weight.shape, dtype=dtype, blocksize=blocksize, code=code,
+                                quant_type=quant_type, offset=offset, state2=state2)
+    else:
+        state = bnbf.QuantState(absmax=absmax, shape=weight.shape, dtype=dtype, blocksize=blocksize, code=code,
+                                quant_type=quant_type)
+    return packed, state
+
+
+def requantize_4bit_weight(base: nn.Module, weight: torch.Tensor, mode: str = "auto") -> None:
+    """Replaces a ``Linear4bit``'s weight by ``weight`` quantized with the layer's own settings.
+
+    Same quant type, blocksize, double quantization and storage dtype as before; the state's dtype (the dtype the
+    layer dequantizes to) is kept too.
+
+    Args:
+        base: A bitsandbytes ``Linear4bit``.
+        weight: New ``out × in`` weight (any float dtype).
+        mode: ``"auto"`` (default, see :func:`resolve_requantization`), ``"mse"`` (per-block MSE-optimal scales)
+            or ``"absmax"`` (bitsandbytes' own quantizer).
+    """
+    bnb = _bnb()
+    old = base.weight
+    mode = resolve_requantization(mode, old.quant_type)
+    dtype = old.quant_state.dtype if old.quant_state is not None else weight.dtype
+    settings = {"blocksize": old.blocksize, "compress_statistics": old.compress_statistics,
+                    "quant_type": old.quant_type, "quant_storage": old.quant_storage, "module": base}
+    if mode == "absmax":
+        # Params4bit quantizes when moved to a device (also the one it is on).
+        new = bnb.nn.Params4bit(weight.detach().to(dtype).contiguous(), requires_grad=False, **settings)
+        base.weight = new.to(weight.device)
+        return
+    # Quantize what the base would have been stored as (its dtype), from fp32 math.
+    packed, state = quantize_4bit(weight.to(dtype), old.quant_type, old.blocksize, old.compress_statistics, dtype,
+                                  mode=mode)
+    if old.quant_storage != torch.uint8:
+        packed = packed.squeeze(1).view(old.quant_storage).unsqueeze(1)
+    base.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, bnb_quantized=True, **settings)
+
+
+def _int8_scales(base: nn.Module) -> torch.Tensor:
+    scb = base.weight.SCB if getattr(base.weight, "SCB", None) is not None else base.state.SCB
+    if scb is None:
+        raise RuntimeError("Linear8bitLt has no row scales (SCB): was it moved to a device after loading?")
+    return scb
+
+
+def dequantize_8bit_weight(base: nn.Module) -> torch.Tensor:
+    """The fp32 ``out × in`` weight of a ``Linear8bitLt`` (int8 rows times their absmax / 127).
+
+    Args:
+        base: A bitsandbytes ``Linear8bitLt`` with int8 weights.
+    """
+    weight = base.weight
+    if weight.dtype != torch.int8:  # has_fp16_weights=True: still a plain float weight
+        return weight.data.float()
+    return weight.data.float() * (_int8_scales(base).float().view(-1, 1) / 127.0)
+
+
+def requantize_8bit_weight(base: nn.Module, weight: torch.Tensor) -> None:
+    """Replaces a ``Linear8bitLt``'s weight by ``weight`` requantized row-wise to int8.
+
+    Args:
+        base: A bitsandbytes ``Linear8bitLt``.
+        weight: New ``out × in`` weight.
+    """
+    bnb = _bnb()
+    old = base.weight
+    if old.dtype != torch.int8:
+        with torch.no_grad():
+            old.data.copy_(weight.to(old.dtype))
+        return
+    device = weight.device
+    base.weight = bnb.nn.Int8Params(
+        weight.detach().to(torch.float16).contiguous().cpu(), requires_grad=False,
+        has_fp16_weights=old.has_fp16_weights,
+    ).to(device)
+    # The matmul state caches the previous int8 weight and scales.
+    base.state.reset_grads()
+    base.state.SCB = None
+
+
+class _QuantizedOFTv2(Linear):
+    """OFTv2 around a quantized linear layer: rotate the input, then call the quantized layer unchanged.
+
+    Forward, disable and merge bookkeeping are :class:`oftv2.layer.Linear`'s; subclasses provide the base weight
+    access (dequantize / requantize) that merge and unmerge go through.
+
+    Args:
+        base_layer: The bitsandbytes layer (possibly wrapped by another tuner).
+        adapter_name: Name of the first adapter.
+        config: Its configuration.
+        **kwargs: ``layer_name`` for error messages.
+    """
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: OFTv2Config, **kwargs: Any) -> None:
+        super().__init__(base_layer, adapter_name, config, fan_in_fan_out=False, **kwargs)
+
+    def full_precision_weight(self, adapter_names: list[str] | None = None) -> torch.Tensor:
+        """The fp32 base weight with the given adapters (default: active ones) folded in, never requantized.
+
+        Args:
+            adapter_names: Adapters to fold in, in forward order.
+        """
+        names = [a for a in (adapter_names or self.active_adapters) if a in self.oftv2_Q]
+        weight = self._get_base_weight()
+        for name in reversed(names):  # R₁ is applied first in forward, so its transpose ends up rightmost
+            weight = self._apply_rotation_to_weight(weight, name, inverse=False)
+        return weight
+
+
+class Linear4bit(_QuantizedOFTv2):
+    """OFTv2 around bitsandbytes ``Linear4bit`` (NF4 or FP4, double quantization or not, any compute dtype).
+
+    Args:
+        base_layer: The ``Linear4bit``.
+        adapter_name: Name of the first adapter.
+        config: Its configuration.
+        **kwargs: ``layer_name`` for error messages.
+    """
+
+    # How merge/unmerge requantize: "auto", "mse" (per-block MSE-optimal scales) or "absmax" (bitsandbytes').
+    requantization: str = "auto"
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: OFTv2Config, **kwargs: Any) -> None:
+        base = _base_of(base_layer)
+        state = getattr(base.weight, "quant_state", None)
+        # Remembered because bitsandbytes' CPU repacking overwrites it (see _standard_4bit_layout).
+        self._quant_dtype = None if state is None or getattr(state, "packing_format_for_cpu", False) else state.dtype
+        if getattr(base, "support_avx512bf16_for_cpu", False):
+            # bitsandbytes 0.50 repacks a 4-bit weight in place at its first CPU eval forward (bf16 scales, an
+            # inverse that is lossy: we measured errors of half a weight's magnitude) and asserts on widths that
+            # are not multiples of 32. Merges must read the exact weight, so adapted layers keep the portable
+            # layout; their CPU inference uses bitsandbytes' generic dequantize + matmul path instead.
+            base.support_avx512bf16_for_cpu = False
+        super().__init__(base_layer, adapter_name, config, **kwargs)
+
+    def _get_base_weight(self) -> torch.Tensor:
+        return dequantize_4bit_weight(self.get_base_layer(), self._quant_dtype)
+
+    def _set_base_weight(self, weight: torch.Tensor) -> None:
+        requantize_4bit_weight(self.get_base_layer(), weight, mode=self.requantization)
+
+    def _fused_adapter(self, x: torch.Tensor) -> str | None:
+        """The adapter to run through the fused rotate + 4-bit matmul kernel, or ``None`` for the unfused path."""
+        active = [a for a in self.active_adapters if a in self.oftv2_Q]
+        if len(active) != 1:
+            return None
+        impl = self.oftv2_settings[active[0]].impl
+        base = self.get_base_layer()
+        state = getattr(base.weight, "quant_state", None)
+        if impl == "torch" or state is None or getattr(state, "packing_format_for_cpu", False):
+            return None
+        if ops.resolve_impl(impl, x, base.weight, op="nf4_rotate_matmul") != "triton":
+            return None
+        return active[0]
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            # bitsandbytes repacks the weight for CPU inference after an eval forward; its matmul on the repacked
+            # weight has no autograd, so gradients would silently stop at this layer. Restore the layout first.
+            _standard_4bit_layout(self.get_base_layer(), self._quant_dtype)
+        name = None if self.disable_adapters or self.merged else self._fused_adapter(x)
+        if name is None:
+            return super().forward(x, *args, **kwargs)
+        base = self.get_base_layer()
+        compute = base.compute_dtype or x.dtype
+        bias = None if base.bias is None else base.bias.to(compute)
+        rotation = self.get_rotation(name, apply_dropout=self.training)
+        y = ops.nf4_rotate_matmul(x.to(compute), rotation, base.weight, base.weight.quant_state, bias,
+                                  impl=self.oftv2_settings[name].impl)
+        return y.to(x.dtype)
+
+
+class Linear8bitLt(_QuantizedOFTv2):
+    """OFTv2 around bitsandbytes ``Linear8bitLt`` (LLM.int8()).
+
+    Args:
+        base_layer: The ``Linear8bitLt``.
+        adapter_name: Name of the first adapter.
+        config: Its configuration.
+        **kwargs: ``layer_name`` for error messages.
+    """
+
+    def _get_base_weight(self) -> torch.Tensor:
+        return dequantize_8bit_weight(self.get_base_layer())
+
+    def _set_base_weight(self, weight: torch.Tensor) -> None:
+        requantize_8bit_weight(self.get_base_layer(), weight)
+
+
+def _base_of(target: nn.Module) -> nn.Module:
+    return target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+
+
+def _dispatcher(bnb_class: str, layer_cls: type) -> Any:
+    def dispatch(target: nn.Module, adapter_name: str, config: OFTv2Config, **kwargs) -> nn.Module | None:
+        cls = _loaded_bnb_class(bnb_class)
+        if cls is None or not isinstance(_base_of(target), cls):
+            return None
+        return layer_cls(target, adapter_name, config, **kwargs)
+
+    dispatch.__doc__ = f"""Wraps bitsandbytes ``{bnb_class}`` layers in :class:`{layer_cls.__name__}`; ``None`` for others.
+
+    Args:
+        target: The module to adapt.
+        adapter_name: Name of the adapter.
+        config: Its configuration.
+        **kwargs: Passed to the layer.
+    """
+    return dispatch
+
+
+dispatch_bnb_4bit = _dispatcher("Linear4bit", Linear4bit)
+dispatch_bnb_8bit = _dispatcher("Linear8bitLt", Linear8bitLt)
+
+# Tried by oftv2.model.dispatchers() before the default (nn.Linear / Conv1D) dispatcher.
+DISPATCHERS = [dispatch_bnb_8bit, dispatch_bnb_4bit]
+
+
+def _parent_and_name(root: nn.Module, qualified: str) -> tuple[nn.Module, str]:
+    parent_name, _, child = qualified.rpartition(".")
+    return (root.get_submodule(parent_name) if parent_name else root), child
+
+
+def merge_and_export_full_precision(peft_model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Folds the active OFTv2 adapters into full-precision weights and returns the plain base model.
+
+    Quantized layers become ``nn.Linear`` holding ``deq(W) Rᵀ`` (no requantization, hence no merge drift);
+    unquantized OFTv2 layers are merged as usual. The model's quantization markers are cleared so that
+    ``save_pretrained`` writes an ordinary full-precision checkpoint.
+
+    Args:
+        peft_model: A ``PeftModel`` (or the tuner model) with OFTv2 adapters.
+        dtype: Weight dtype of the exported quantized layers (default: the dtype the base was quantized from).
+
+    Returns:
+        The underlying transformers model, adapters removed. ``peft_model`` must not be used afterwards.
+    """
+    tuner = getattr(peft_model, "base_model", peft_model)
+    model = getattr(tuner, "model", tuner)
+    replacements = []
+    for name, module in model.named_modules():
+        if not isinstance(module, OFTv2Layer):
+            continue
+        base = module.get_base_layer()
+        if isinstance(module, _QuantizedOFTv2):
+            with torch.no_grad():
+                weight = module.full_precision_weight()
+            if isinstance(module, Linear4bit):
+                out_dtype = dtype or module._quant_dtype or base.weight.quant_state.dtype
+            else:
+                out_dtype = dtype or torch.float16
+            dense = nn.Linear(module.in_features, module.out_features, bias=base.bias is not None,
+                              device=weight.device, dtype=out_dtype)
+            with torch.no_grad():
+                dense.weight.copy_(weight.to(out_dtype))
+                if base.bias is not None:
+                    dense.bias.copy_(base.bias.to(out_dtype))
+            replacements.append((name, dense))
+        else:
+            module.merge()
+            replacements.append((name, base))
+    for name, new in replacements:
+        parent, child = _parent_and_name(model, name)
+        setattr(parent, child, new)
+    for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized"):
+        if getattr(model, attr, False):
+            setattr(model, attr, False)
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return model
+
+
+@torch.no_grad()
+def merge_drift(peft_model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Measures the output drift that requantizing a merged quantized base causes, on a calibration batch.
+
+    Runs the unmerged adapter, merges (requantizing the quantized bases), runs again, then unmerges. Also reports
+    how far the base model (adapters disabled) is from the adapter, for scale: a faithful merge has
+    ``merged_vs_adapter`` much smaller than ``base_vs_adapter``.
+
+    Args:
+        peft_model: A ``PeftModel`` with OFTv2 adapters (merge/unmerge/disable_adapter available).
+        batch: Model inputs, e.g. ``{"input_ids": ..., "attention_mask": ...}``.
+
+    Returns:
+        Relative Frobenius distances of the logits: ``merged_vs_adapter``, ``base_vs_adapter`` and
+        ``unmerged_vs_adapter`` (after the merge/unmerge round trip).
+    """
+    was_training = peft_model.training
+    peft_model.eval()
+
+    def logits() -> torch.Tensor:
+        out = peft_model(**batch)
+        return (out.logits if hasattr(out, "logits") else out).float()
+
+    adapter = logits()
+    with peft_model.disable_adapter():
+        base = logits()
+    tuner = getattr(peft_model, "base_model", peft_model)
+    tuner.merge_adapter()
+    merged = logits()
+    tuner.unmerge_adapter()
+    unmerged = logits()
+    peft_model.train(was_training)
+    norm = adapter.norm().clamp_min(1e-12)
+    return {
+        "merged_vs_adapter": float((merged - adapter).norm() / norm),
+        "base_vs_adapter": float((base - adapter).norm() / norm),
+        "unmerged_vs_adapter": float((unmerged - adapter).norm() / norm),
+    }

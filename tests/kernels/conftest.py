@@ -1,0 +1,64 @@
+"""Kernel tests run the Triton kernels on CPU through the Triton interpreter.
+
+Triton reads ``TRITON_INTERPRET`` when a kernel is *decorated*, i.e. when a ``kernels/*/triton.py`` module is
+first imported. Those modules are imported lazily (only by ``kernels.ops`` dispatch and these tests), and pytest
+imports this conftest while collecting, before any test runs, so setting the variable here at import is early
+enough even when the whole suite runs in one process. Triton itself is usually imported earlier (peft imports
+it), which decorates Triton's own ``@jit`` helpers (``tl.zeros``, ``tl.sum``, ...) for the GPU: our kernels use
+builtins only (``tl.full`` instead of ``tl.zeros``), and test_kernels_dispatch.py checks that order. On a CUDA machine set ``PEFTPLUG_KERNELS_ON_GPU=1`` to
+test the compiled kernels on the GPU instead (benchmarks/gpu/run_all.sh does).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_GPU = os.environ.get("PEFTPLUG_KERNELS_ON_GPU") == "1" and torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@pytest.fixture
+def device() -> str:
+    """Where the kernels under test run: CUDA when ``PEFTPLUG_KERNELS_ON_GPU=1``, else CPU (interpreter)."""
+    return DEVICE
+
+
+@pytest.fixture
+def needs_triton():
+    """Skips the test cleanly when Triton is not installed (it is the optional ``triton`` extra)."""
+    from kernels._triton_available import triton_available
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    eps = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    scale = expected.float().abs().max().item() + 1e-6
+    # A handful of roundings of the output (fp32 reduction order differs from torch's on top of that).
+    tol = 8 * eps * scale + (1e-5 * scale if dtype == torch.float32 else 0.0)
+    err = (actual.float() - expected.float()).abs().max().item()
+    assert err <= tol, f"{what}: max error {err:.3g} > tolerance {tol:.3g} (scale {scale:.3g}, {dtype})"
+
+
+@pytest.fixture
+def close():
+    """``close(actual, expected, dtype, what)``: asserts agreement within a few roundings of ``dtype``, scaled to
+    the expected tensor's magnitude."""
+    return _assert_close
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    """One intra-op thread for these small tensors: on a loaded 2-core machine OpenMP's thread handoff made the
+    tiny quantize/merge ops ~50x slower (measured 23 s vs 0.4 s for one merge round trip). Restored afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

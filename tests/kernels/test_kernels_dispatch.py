@@ -1,0 +1,82 @@
+"""impl dispatch: auto/torch/triton resolution, clear errors, and the light import of the kernels package."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels._triton_available as avail
+from kernels import ops
+
+
+def test_auto_uses_reference_on_cpu():
+    assert ops.resolve_impl("auto", torch.zeros(2)) == "torch"
+    assert ops.resolve_impl("torch", torch.zeros(2)) == "torch"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_uses_triton_on_cuda():
+    expected = "triton" if avail.triton_available() else "torch"
+    assert ops.resolve_impl("auto", torch.zeros(2, device="cuda")) == expected
+
+
+def test_unknown_impl_raises():
+    with pytest.raises(ValueError, match="impl must be one of"):
+        ops.block_rotate(torch.zeros(2, 4), torch.eye(4)[None], impl="cuda")
+
+
+def test_forced_triton_without_triton_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(avail, "triton_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"peftplug\[triton\]"):
+        ops.block_rotate(torch.zeros(2, 4), torch.eye(4)[None], impl="triton")
+
+
+def test_forced_triton_on_cpu_without_interpreter_says_why(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        ops.block_rotate(torch.zeros(2, 4), torch.eye(4)[None], impl="triton")
+
+
+def test_light_import_and_interpreter_after_an_early_triton_import(run_fresh, needs_triton):
+    # In the single-process test suite, other packages (peft) import triton before tests/kernels/conftest.py sets
+    # TRITON_INTERPRET=1. Triton's own @jit helpers (tl.zeros, tl.sum, ...) are then compiled-mode functions the
+    # interpreter cannot call, so our kernels must use builtins only. This reproduces that order.
+    proc = run_fresh(
+        """
+        import os, sys
+        import kernels, kernels.ops
+        assert "triton" not in sys.modules, "kernels.ops imported triton eagerly"
+        assert not [m for m in sys.modules if m.endswith(".triton") and m.startswith("kernels")]
+        import triton.language  # early import, not in interpreter mode
+        os.environ["TRITON_INTERPRET"] = "1"
+        import torch
+        from kernels import ops
+        from kernels.nf4_rotate_matmul.reference import dequantize_4bit
+
+        class State:  # a double-quantized 4-bit state, built by hand (no bitsandbytes import needed)
+            shape, blocksize, dtype, nested, offset = (8, 32), 32, torch.float32, False, 0.0
+            code = torch.linspace(-1, 1, 16)
+            absmax = torch.tensor([1.0] * 8)
+
+        packed = torch.randint(0, 256, (128, 1), dtype=torch.uint8)
+        x = torch.randn(3, 32, requires_grad=True)
+        q = torch.zeros(2, 120, requires_grad=True)
+        rot = ops.cayley_neumann(q, 16, impl="triton")
+        y = ops.nf4_rotate_matmul(ops.block_rotate(x, rot, impl="triton"), rot, packed, State(), impl="triton")
+        y.sum().backward()
+        ref = (x @ torch.block_diag(*rot.detach())) @ torch.block_diag(*rot.detach()) @ dequantize_4bit(packed, State()).T
+        assert torch.allclose(y, ref, atol=1e-4), (y - ref).abs().max()
+        assert q.grad is not None and x.grad is not None
+        print("ok")
+        """,
+        timeout=180,
+    )
+    assert proc.stdout.strip().endswith("ok")
+
+
+def test_name_collision_is_reported(monkeypatch):
+    import kernels
+
+    monkeypatch.setattr(kernels, "other_kernels_distributions", lambda: ("kernels",))
+    with pytest.raises(kernels.KernelsNameCollision, match="pip uninstall kernels"):
+        kernels.check_name_collision()

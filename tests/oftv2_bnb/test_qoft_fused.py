@@ -1,0 +1,41 @@
+"""The QOFT 4-bit layer's fused path (rotate + dequantize + matmul in one Triton kernel), run by Triton's
+interpreter on CPU, against the same layer's unfused torch path."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+
+import oftv2
+from kernels._triton_available import triton_usable
+from oftv2 import bnb as qoft
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.mark.parametrize(("quant_type", "double_quant"), [("nf4", True), ("fp4", False)])
+def test_fused_layer_matches_unfused(load_quantized, randomize, quant_type, double_quant):
+    probe = torch.zeros(1)
+    ok, why = triton_usable("nf4_rotate_matmul", probe)
+    if not ok:
+        pytest.skip(why)
+    model = peft.get_peft_model(load_quantized(4, quant_type, double_quant),
+                                oftv2.OFTv2Config(block_size=16, target_modules=["q_proj"], kernel_impl="torch"))
+    randomize(model, std=0.05)
+    layer = next(m for m in model.modules() if isinstance(m, qoft.Linear4bit))
+    layer.train()
+    x = torch.randn(2, 7, layer.in_features, requires_grad=True)
+    q = layer.oftv2_Q["default"]
+
+    outputs = {}
+    for impl in ("torch", "triton"):
+        layer.oftv2_settings["default"] = layer.oftv2_settings["default"].__class__(
+            **{**layer.oftv2_settings["default"].__dict__, "impl": impl})
+        assert (layer._fused_adapter(x) is not None) == (impl == "triton")
+        y = layer(x)
+        y.pow(2).sum().backward()
+        outputs[impl] = (y.detach(), x.grad.clone(), q.grad.clone())
+        x.grad, q.grad = None, None
+    for name, a, b in zip(("y", "dX", "dQ"), outputs["triton"], outputs["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
