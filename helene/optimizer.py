@@ -1,0 +1,291 @@
+"""HELENE and its baselines: ZO-SGD (MeZO) and a ZO-Adam-style variant.
+
+All three share :class:`helene.zo.ZerothOrderOptimizer` (two-point SPSA with seeded in-place perturbation) and
+differ only in how ``g = c·z`` becomes an update. See docs/helene.md for the algorithm and the switches.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from helene.estimators import get_estimator
+from helene.zo import ZerothOrderOptimizer
+
+CLIP_MODES = ("layer", "coordinate", "none")
+_AUTO_HORIZON_FRACTION = 0.1  # anneal_horizon="auto": T = 10% of the run's total steps
+_FALLBACK_HORIZON = 1000.0
+
+
+def _check_lr_wd(group: dict) -> None:
+    if not (isinstance(group["lr"], (int, float)) and group["lr"] >= 0 and math.isfinite(group["lr"])):
+        raise ValueError(f"lr must be a finite float >= 0, got {group['lr']!r}")
+    if not (isinstance(group["weight_decay"], (int, float)) and group["weight_decay"] >= 0):
+        raise ValueError(f"weight_decay must be a float >= 0, got {group['weight_decay']!r}")
+
+
+def _check_betas(betas) -> None:
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
+
+
+class ZOSGD(ZerothOrderOptimizer):
+    """MeZO: two-point SPSA with the plain SGD update ``θ −= lr·(c·z + wd·θ)``.
+
+    Args:
+        params: Parameters or param groups (only ``requires_grad`` ones are used).
+        lr: Learning rate (MeZO: 1e-6…1e-7 full finetuning, 1e-4…5e-5 LoRA).
+        eps: Perturbation scale ε (MeZO: 1e-3).
+        weight_decay: Decoupled weight decay (set it to 0 for biases and norms through param groups).
+        seed: Seed of the private generator of per-step seeds.
+        master_weights: See :class:`helene.zo.ZerothOrderOptimizer`.
+        sync_seed: Broadcast the step seed from rank 0 under ``torch.distributed``.
+    """
+
+    def __init__(self, params, lr: float = 1e-6, eps: float = 1e-3, weight_decay: float = 0.0, seed: int = 0,
+                 master_weights="auto", sync_seed: bool = True):
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay}, eps=eps, seed=seed,
+                         master_weights=master_weights, sync_seed=sync_seed)
+        for group in self.param_groups:
+            _check_lr_wd(group)
+
+    def _apply_update(self, seed, projected, loss_plus, loss_minus, center):
+        for group, _, w, z in self._restored(seed):
+            lr, wd = group["lr"], group["weight_decay"]
+            if wd:
+                w.mul_(1.0 - lr * wd)
+            w.add_(z, alpha=-lr * projected)
+
+
+class ZOAdam(ZerothOrderOptimizer):
+    """ZO-Adam-style baseline: Adam's moments of the SPSA estimate ``g = c·z`` (decoupled weight decay).
+
+    Args:
+        params: Parameters or param groups.
+        lr: Learning rate.
+        eps: Perturbation scale ε.
+        betas: Adam's (β1, β2).
+        adam_eps: Adam's denominator constant.
+        weight_decay: Decoupled weight decay.
+        seed: Seed of the private generator of per-step seeds.
+        master_weights: See :class:`helene.zo.ZerothOrderOptimizer`.
+        sync_seed: Broadcast the step seed from rank 0 under ``torch.distributed``.
+    """
+
+    def __init__(self, params, lr: float = 1e-4, eps: float = 1e-3, betas=(0.9, 0.999), adam_eps: float = 1e-8,
+                 weight_decay: float = 0.0, seed: int = 0, master_weights="auto", sync_seed: bool = True):
+        _check_betas(betas)
+        if not adam_eps > 0:
+            raise ValueError(f"adam_eps must be > 0, got {adam_eps!r}")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "adam_eps": adam_eps, "weight_decay": weight_decay},
+                         eps=eps, seed=seed, master_weights=master_weights, sync_seed=sync_seed)
+        for group in self.param_groups:
+            _check_lr_wd(group)
+            _check_betas(group["betas"])
+
+    def _apply_update(self, seed, projected, loss_plus, loss_minus, center):
+        t = self.update_count + 1
+        for group, p, w, z in self._restored(seed):
+            st = self.state[p]
+            if "exp_avg" not in st:
+                st["exp_avg"] = torch.zeros_like(w, dtype=torch.float32)
+                st["exp_avg_sq"] = torch.zeros_like(w, dtype=torch.float32)
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+            b1, b2 = group["betas"]
+            lr, wd = group["lr"], group["weight_decay"]
+            g = z.mul_(projected)
+            m.mul_(b1).add_(g, alpha=1.0 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            if wd:
+                w.mul_(1.0 - lr * wd)
+            denom = v.div(1.0 - b2**t).sqrt_().add_(group["adam_eps"])
+            w.addcdiv_(m, denom, value=-lr / (1.0 - b1**t))
+
+
+def _regroup(params, granularity: str, lam, weight_decay: float) -> list[dict]:
+    """Per-layer param groups from parameters given with or without names."""
+    from helene.groups import layerwise_param_groups
+
+    params = list(params)
+    named: list[tuple[str, torch.Tensor]] = []
+    for i, item in enumerate(params):
+        if isinstance(item, dict):
+            names = item.get("param_names") or [None] * len(item["params"])
+            named += [(n or f"param{i}.{j}", p) for j, (n, p) in enumerate(zip(names, item["params"]))]
+            if granularity != "tensor" and not item.get("param_names"):
+                raise ValueError(f"layerwise={granularity!r} needs parameter names; pass named_parameters()")
+        elif isinstance(item, tuple):
+            named.append(item)
+        else:
+            if granularity != "tensor":
+                raise ValueError(f"layerwise={granularity!r} needs parameter names; pass named_parameters()")
+            named.append((f"param{i}", item))
+    groups = layerwise_param_groups(named, granularity, lam=lam, weight_decay=weight_decay)
+    for g in groups:
+        g["param_names"] = g.pop("names")  # torch's own key, so state_dict keeps the names
+    return groups
+
+
+class Helene(ZerothOrderOptimizer):
+    """HELENE: SPSA gradient, annealed momentum, EMA of a diagonal Hessian estimate, layer-wise clipping.
+
+    Per step ``t`` (``t`` counts applied updates)::
+
+        g = c·z                                   (two-point SPSA, see ZerothOrderOptimizer)
+        α_t = β1 + (1 − β1)·exp(−t/T)             (anneal=True; α_t = β1 when anneal=False)
+        m = β1·m + α_t·g
+        if t % k == 0:  h = β2·h + (1 − β2)·ĥ      (ĥ from the chosen estimator)
+        clip="layer":       u = m / (γ·max(h, λ_group))
+        clip="coordinate":  u = clamp(m / max(γ·h, λ_group), −ρ, ρ)     (Sophia-like)
+        clip="none":        u = m / (γ·|h| + 1e-12)
+        θ −= lr·(u + wd·θ)
+
+    Args:
+        params: Parameters or param groups; a group may override ``lr``, ``betas``, ``gamma``, ``lam``
+            (its clipping floor λ) and ``weight_decay`` — :func:`helene.groups.layerwise_param_groups` builds
+            one group per layer.
+        lr: Learning rate.
+        eps: Perturbation scale ε.
+        betas: (β1, β2): momentum and Hessian EMA decays, each in [0, 1).
+        gamma: Scale γ > 0 of the preconditioner.
+        lam: Default clipping floor λ >= 0 (per group through ``lam``); with ``layerwise`` also a mapping from a
+            regular expression on the layer name to λ (see :func:`helene.groups.layerwise_param_groups`).
+        weight_decay: Decoupled weight decay.
+        hessian_interval: Refresh the Hessian EMA every ``k`` >= 1 steps (the first step always refreshes).
+        anneal: Switch for gradient annealing.
+        anneal_horizon: T > 0, or ``"auto"``: 10% of the total steps given to :meth:`set_total_steps` (the
+            trainer calls it; without it T = 1000 and a warning).
+        clip: ``"layer"`` (paper), ``"coordinate"`` (Sophia-like) or ``"none"``.
+        rho: Clamp bound for ``clip="coordinate"``.
+        hessian: Estimator name, see :mod:`helene.estimators` (``"agnb"`` is the paper's).
+        batch_size: Batch size B scaling the A-GNB estimate (``B·ĝ⊙ĝ``).
+        layerwise: ``None`` (use ``params`` as given) or a granularity, ``"tensor"`` or ``"block"``: regroup the
+            parameters per layer with their λ and weight decay off for biases and norms. Needs parameter names
+            (``model.named_parameters()`` or torch's named param groups) except for ``"tensor"``.
+        seed: Seed of the private generator of per-step seeds.
+        master_weights: See :class:`helene.zo.ZerothOrderOptimizer`.
+        sync_seed: Broadcast the step seed from rank 0 under ``torch.distributed``.
+    """
+
+    def __init__(self, params, lr: float = 1e-6, eps: float = 1e-3, betas=(0.9, 0.99), gamma: float = 1.0,
+                 lam: float = 1.0, weight_decay: float = 0.0, hessian_interval: int = 10, anneal: bool = True,
+                 anneal_horizon="auto", clip: str = "layer", rho: float = 1.0, hessian: str = "agnb",
+                 batch_size: int = 1, layerwise: str | None = None, seed: int = 0, master_weights="auto",
+                 sync_seed: bool = True):
+        if layerwise is not None:
+            params = _regroup(params, layerwise, lam, weight_decay)
+            lam = lam.get("default", 1.0) if isinstance(lam, dict) else lam
+        if clip not in CLIP_MODES:
+            raise ValueError(f"clip must be one of {CLIP_MODES}, got {clip!r}")
+        if not (isinstance(hessian_interval, int) and hessian_interval >= 1):
+            raise ValueError(f"hessian_interval must be an int >= 1, got {hessian_interval!r}")
+        if not (anneal_horizon == "auto" or (isinstance(anneal_horizon, (int, float)) and anneal_horizon > 0)):
+            raise ValueError(f"anneal_horizon must be 'auto' or a number > 0, got {anneal_horizon!r}")
+        if not (isinstance(batch_size, int) and batch_size >= 1):
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if not rho > 0:
+            raise ValueError(f"rho must be > 0, got {rho!r}")
+        self.estimator = get_estimator(hessian)
+        defaults = {"lr": lr, "betas": tuple(betas), "gamma": gamma, "lam": lam, "weight_decay": weight_decay}
+        super().__init__(params, defaults, eps=eps, seed=seed, master_weights=master_weights, sync_seed=sync_seed)
+        for group in self.param_groups:
+            _check_lr_wd(group)
+            _check_betas(group["betas"])
+            if not group["gamma"] > 0:
+                raise ValueError(f"gamma must be > 0, got {group['gamma']!r}")
+            if not group["lam"] >= 0:
+                raise ValueError(f"lam (clipping floor λ) must be >= 0, got {group['lam']!r}")
+        self.hessian_interval = hessian_interval
+        self.anneal = bool(anneal)
+        self.anneal_horizon = anneal_horizon
+        self.clip = clip
+        self.rho = float(rho)
+        self.batch_size = batch_size
+        self.total_steps: int | None = None
+        self._warned_horizon = False
+
+    def set_total_steps(self, total_steps: int) -> None:
+        """Tells the optimizer the run's length, which ``anneal_horizon="auto"`` derives T from.
+
+        Args:
+            total_steps: Number of optimizer steps the run will take (e.g. ``trainer.estimated_stepping_batches``).
+        """
+        if not (isinstance(total_steps, int) and total_steps >= 1):
+            raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
+        self.total_steps = total_steps
+
+    def horizon(self) -> float:
+        """The annealing horizon T in effect."""
+        if self.anneal_horizon != "auto":
+            return float(self.anneal_horizon)
+        if self.total_steps is None:
+            if not self._warned_horizon:
+                warnings.warn("Helene(anneal_horizon='auto') without set_total_steps(): using T = 1000",
+                              stacklevel=3)
+                self._warned_horizon = True
+            return _FALLBACK_HORIZON
+        return max(1.0, _AUTO_HORIZON_FRACTION * self.total_steps)
+
+    def alpha(self, t: int, beta1: float) -> float:
+        """The momentum weight α_t of the SPSA gradient at update ``t``.
+
+        Args:
+            t: Update index (0 for the first update).
+            beta1: The group's β1.
+        """
+        if not self.anneal:
+            return beta1
+        return beta1 + (1.0 - beta1) * math.exp(-t / self.horizon())
+
+    def _refresh_hessian(self) -> bool:
+        return self.update_count % self.hessian_interval == 0
+
+    def _needs_center_loss(self) -> bool:
+        return self.estimator.needs_center and self._refresh_hessian()
+
+    def _apply_update(self, seed, projected, loss_plus, loss_minus, center):
+        t = self.update_count
+        refresh = self._refresh_hessian()
+        for group, p, w, z in self._restored(seed):
+            st = self.state[p]
+            if "exp_avg" not in st:
+                st["exp_avg"] = torch.zeros_like(w, dtype=torch.float32)
+                h_shape = () if self.estimator.per_tensor else w.shape
+                st["hessian"] = torch.zeros(h_shape, dtype=torch.float32, device=w.device)
+            m, h = st["exp_avg"], st["hessian"]
+            b1, b2 = group["betas"]
+            if refresh:
+                est = self.estimator(z, projected, loss_plus, loss_minus, center, self.eps, self.batch_size)
+                h.mul_(b2).add_(est, alpha=1.0 - b2)
+                del est
+            m.mul_(b1).add_(z, alpha=self.alpha(t, b1) * projected)
+            lr, wd, gamma, lam = group["lr"], group["weight_decay"], group["gamma"], group["lam"]
+            if wd:
+                w.mul_(1.0 - lr * wd)
+            if self.clip == "layer":
+                denom = h.clamp(min=lam).mul_(gamma).add_(1e-12)
+                w.addcdiv_(m, denom, value=-lr)
+            elif self.clip == "coordinate":
+                u = m.div(h.mul(gamma).clamp_(min=max(lam, 1e-12))).clamp_(-self.rho, self.rho)
+                w.add_(u, alpha=-lr)
+            else:
+                w.addcdiv_(m, h.abs().mul_(gamma).add_(1e-12), value=-lr)
+
+    def state_dict(self) -> dict:
+        """Adds the Helene-specific total steps to the base state (T must not change on resume)."""
+        sd = super().state_dict()
+        sd["zeroth_order"]["total_steps"] = self.total_steps
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restores a :meth:`state_dict`.
+
+        Args:
+            state_dict: Output of :meth:`state_dict`.
+        """
+        total = state_dict.get("zeroth_order", {}).get("total_steps")
+        super().load_state_dict(state_dict)
+        if total is not None:
+            self.total_steps = int(total)

@@ -1,0 +1,250 @@
+"""Shared machinery of the zeroth-order optimizers: seeded in-place perturbation, restore, two-point SPSA.
+
+Every zeroth-order optimizer here estimates the gradient from two forward passes (MeZO's two-point SPSA)::
+
+    θ += ε z ;  L+ = L(θ)        z ~ N(0, I), regenerated from a per-step seed, never stored
+    θ −= 2ε z ;  L− = L(θ)
+    θ += ε z                      restore (fused with the update, tensor by tensor)
+    g = c · z,  c = (L+ − L−) / 2ε
+
+Only the per-step seed is kept; ``z`` is drawn again from it, tensor by tensor, each time it is needed, so the
+memory cost is one parameter-sized temporary at a time. Subclasses implement :meth:`_apply_update`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+_HALF = (torch.float16, torch.bfloat16)
+_MASTER_CHOICES = ("auto", True, False)
+
+
+def _dist_initialized() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+class ZerothOrderOptimizer(Optimizer):
+    """Base class: perturb, evaluate, restore and hand ``(c, z)`` to the subclass's update rule.
+
+    ``step(closure)`` calls ``closure()`` (which must return the scalar batch loss and must not call
+    ``backward``) two times per step (three on steps where the update rule needs the unperturbed loss), under
+    ``torch.no_grad()``. It returns the step's loss ``(L+ + L−)/2`` as a 0-dim fp32 tensor.
+
+    Args:
+        params: Parameters or parameter groups (see :func:`helene.groups.layerwise_param_groups`). Parameters
+            with ``requires_grad=False`` are ignored, so frozen bases of adapters are never perturbed.
+        defaults: Per-group defaults of the subclass.
+        eps: Perturbation scale ε (> 0). One value for all groups: the two losses measure one directional
+            derivative of the whole parameter vector.
+        seed: Seed of the private generator that draws one perturbation seed per step. The global torch RNG is
+            never touched (it would clobber data-loader shuffling).
+        master_weights: ``"auto"`` keeps fp32 master copies for fp16/bf16 parameters only; ``True`` keeps them
+            for every parameter (bit-exact restore, +4 bytes per parameter); ``False`` perturbs in place and
+            raises for fp16/bf16 parameters, whose in-place restore would be silently inexact.
+        sync_seed: Under ``torch.distributed`` broadcast each step's seed from rank 0, so every rank perturbs
+            along the same ``z`` even if the optimizers were built with different seeds.
+    """
+
+    #: Tells the trainer to use manual optimization and to pass a loss-only closure.
+    is_zeroth_order = True
+
+    def __init__(self, params, defaults: dict, *, eps: float, seed: int, master_weights: Any = "auto",
+                 sync_seed: bool = True):
+        if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+            raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
+        if master_weights not in _MASTER_CHOICES:
+            raise ValueError(f"master_weights must be one of {_MASTER_CHOICES}, got {master_weights!r}")
+        super().__init__(params, defaults)
+        self.eps = float(eps)
+        self.seed = int(seed)
+        self.master_weights = master_weights
+        self.sync_seed = bool(sync_seed)
+        self._seed_gen = torch.Generator(device="cpu")
+        self._seed_gen.manual_seed(self.seed)
+        self._z_gens: dict[torch.device, torch.Generator] = {}
+        #: Steps attempted (two forward passes each), steps whose update was applied, and skipped steps.
+        self.step_count = 0
+        self.update_count = 0
+        self.skipped_nonfinite = 0
+        #: The last step's projected gradient c = (L+ − L−)/2ε (nan after a skipped step).
+        self.last_projected_grad = float("nan")
+        self._init_masters()
+
+    # ----------------------------------------------------------------------------------------- parameters
+    def _trainable(self) -> Iterator[tuple[dict, torch.Tensor]]:
+        """(group, param) for every trainable parameter, in a fixed order (z is drawn in this order)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    yield group, p
+
+    def _init_masters(self) -> None:
+        for _, p in self._trainable():
+            if not p.is_floating_point():
+                raise ValueError(f"zeroth-order optimizers need floating-point parameters, got {p.dtype}")
+            wants = self.master_weights is True or (self.master_weights == "auto" and p.dtype in _HALF)
+            if p.dtype in _HALF and not wants:
+                raise ValueError(
+                    f"a {p.dtype} parameter of shape {tuple(p.shape)} cannot be perturbed and restored exactly "
+                    "in place; pass master_weights='auto' or True (fp32 master copies), or train in fp32")
+            if wants and "master" not in self.state[p]:
+                self.state[p]["master"] = p.detach().to(torch.float32, copy=True)
+
+    def counters(self) -> dict[str, float]:
+        """Numbers worth logging: steps, applied updates, skipped non-finite steps, last projected gradient."""
+        return {
+            "zo_steps": float(self.step_count), "zo_updates": float(self.update_count),
+            "zo_skipped_nonfinite": float(self.skipped_nonfinite), "zo_projected_grad": self.last_projected_grad,
+        }
+
+    # ------------------------------------------------------------------------------------------- seeds / z
+    def _draw_seed(self) -> int:
+        seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen).item())
+        if self.sync_seed and _dist_initialized():
+            dist = torch.distributed
+            device = torch.device("cpu")
+            if dist.get_backend() == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+            buf = torch.tensor([seed], dtype=torch.int64, device=device)
+            dist.broadcast(buf, src=0)
+            seed = int(buf.item())
+        return seed
+
+    def _z_stream(self, seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A function returning, for each trainable parameter in turn, its fp32 direction z for this seed."""
+        seeded: set[torch.device] = set()
+
+        def draw(p: torch.Tensor) -> torch.Tensor:
+            gen = self._z_gens.get(p.device)
+            if gen is None:
+                gen = self._z_gens[p.device] = torch.Generator(device=p.device)
+            if p.device not in seeded:
+                gen.manual_seed(seed)
+                seeded.add(p.device)
+            return torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
+
+        return draw
+
+    def _perturb(self, seed: int, scale: float, absolute: float) -> None:
+        """Moves parameters along z: in place by ``scale·ε·z``, or to ``master + absolute·ε·z`` with masters."""
+        draw = self._z_stream(seed)
+        for _, p in self._trainable():
+            z = draw(p)
+            master = self.state[p].get("master")
+            if master is None:
+                p.add_(z, alpha=scale * self.eps)
+            else:
+                p.copy_(master.add(z, alpha=absolute * self.eps))
+
+    def _restored(self, seed: int) -> Iterator[tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Restores each parameter from θ − εz and yields ``(group, param, weights, z)``.
+
+        ``weights`` is the fp32 tensor the update must modify (the master copy, or the parameter itself);
+        after the caller's update a master copy is written back into the parameter.
+        """
+        draw = self._z_stream(seed)
+        for group, p in self._trainable():
+            z = draw(p)
+            master = self.state[p].get("master")
+            if master is None:
+                p.add_(z, alpha=self.eps)
+                yield group, p, p, z
+            else:
+                yield group, p, master, z
+                p.copy_(master)
+
+    # ----------------------------------------------------------------------------------------------- step
+    def _needs_center_loss(self) -> bool:
+        """Whether this step also needs L(θ) at the unperturbed point (e.g. a curvature estimate)."""
+        return False
+
+    @staticmethod
+    def _evaluate(closure: Callable[[], Any]) -> float:
+        loss = closure()
+        if isinstance(loss, (tuple, list)):
+            loss = loss[0]
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(f"the closure must return a scalar loss, got shape {tuple(loss.shape)}")
+            return float(loss.detach().to(torch.float32).item())
+        return float(loss)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> torch.Tensor:
+        """One zeroth-order step.
+
+        Args:
+            closure: Re-evaluates the model on the current batch and returns the loss (no ``backward``).
+
+        Returns:
+            The step's loss ``(L+ + L−)/2`` (0-dim fp32 tensor; non-finite when the step was skipped).
+        """
+        if closure is None:
+            raise ValueError("zeroth-order optimizers need a closure that returns the batch loss")
+        seed = self._draw_seed()
+        center = self._evaluate(closure) if self._needs_center_loss() else None
+        self._perturb(seed, +1.0, +1.0)
+        loss_plus = self._evaluate(closure)
+        self._perturb(seed, -2.0, -1.0)
+        loss_minus = self._evaluate(closure)
+        self.step_count += 1
+        losses = [loss_plus, loss_minus] + ([center] if center is not None else [])
+        if not all(math.isfinite(v) for v in losses):
+            # Restore exactly as a normal step would, but leave every state tensor untouched.
+            for _ in self._restored(seed):
+                pass
+            self.skipped_nonfinite += 1
+            self.last_projected_grad = float("nan")
+            return torch.tensor(float("nan"))
+        projected = (loss_plus - loss_minus) / (2.0 * self.eps)
+        self.last_projected_grad = projected
+        self._apply_update(seed, projected, loss_plus, loss_minus, center)
+        self.update_count += 1
+        return torch.tensor(0.5 * (loss_plus + loss_minus), dtype=torch.float32)
+
+    def _apply_update(self, seed: int, projected: float, loss_plus: float, loss_minus: float,
+                      center: float | None) -> None:
+        raise NotImplementedError
+
+    # -------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """The torch state (per-parameter tensors, groups) plus step counters and the generator state."""
+        sd = super().state_dict()
+        sd["zeroth_order"] = {
+            "step_count": self.step_count, "update_count": self.update_count,
+            "skipped_nonfinite": self.skipped_nonfinite, "seed": self.seed,
+            "generator_state": self._seed_gen.get_state(),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restores :meth:`state_dict`'s output, so that the next step equals the uninterrupted run's.
+
+        Args:
+            state_dict: A dict from :meth:`state_dict` of an optimizer with the same parameter layout.
+        """
+        state_dict = dict(state_dict)
+        zo = state_dict.pop("zeroth_order", None)
+        if zo is None:
+            raise ValueError("state_dict has no 'zeroth_order' entry: it was not saved by a zeroth-order "
+                             f"optimizer (keys: {sorted(state_dict)})")
+        saved_state = state_dict.get("state", {})
+        saved_ids = [i for g in state_dict.get("param_groups", []) for i in g["params"]]
+        super().load_state_dict(state_dict)
+        self.step_count = int(zo["step_count"])
+        self.update_count = int(zo["update_count"])
+        self.skipped_nonfinite = int(zo["skipped_nonfinite"])
+        self.seed = int(zo["seed"])
+        self._seed_gen.set_state(zo["generator_state"])
+        # torch casts loaded state to each parameter's dtype; fp32 masters and moments of fp16/bf16 parameters
+        # must keep their saved fp32 values bit for bit, so they are put back from the saved dict.
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, p in zip(saved_ids, params):
+            for key, value in saved_state.get(idx, {}).items():
+                if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                    self.state[p][key] = value.to(device=p.device, copy=True)

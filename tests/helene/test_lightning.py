@@ -1,0 +1,166 @@
+"""HELENE through peftplug's Lightning module: manual optimization, eval-mode passes, resume, DDP (gloo)."""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+import pytest
+import torch
+
+from helene import ZOSGD, Helene
+
+lightning = pytest.importorskip("lightning")
+
+
+def _batches(n_batches=2, size=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(4, 90, (size, 10), generator=g), "attention_mask": torch.ones(size, 10,
+                 dtype=torch.long), "labels": torch.randint(0, 2, (size,), generator=g)} for _ in range(n_batches)]
+
+
+def _trainer(tmp_path, **kw):
+    args = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                "enable_model_summary": False, "num_sanity_val_steps": 0, "default_root_dir": str(tmp_path)}
+    return lightning.Trainer(**{**args, **kw})
+
+
+def _module(tiny_model, optimizer, lora=True):
+    from peft import LoraConfig
+
+    from peftplug.lightning import PeftModule
+
+    torch.manual_seed(0)  # LoRA's init draws from the global RNG
+    peft = LoraConfig(r=4, target_modules=["query", "value"], modules_to_save=["classifier"]) if lora else None
+    return PeftModule(tiny_model("bert", "seq_cls", seed=0, num_labels=2, hidden_dropout_prob=0.3),
+                      task="seq_cls", peft=peft, optimizer=optimizer)
+
+
+HELENE = partial(Helene, lr=1e-3, eps=1e-3, hessian_interval=2, anneal_horizon=10.0, seed=3)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_fit_steps_equal_manual_helene_in_eval_mode(tiny_model, tmp_path, lora):
+    from torch.utils.data import DataLoader
+
+    batches = _batches()
+    module = _module(tiny_model, HELENE, lora=lora)
+    reference = copy.deepcopy(module.model)
+    init = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    module.train()  # Lightning puts modules in train mode; the ZO step must switch dropout off itself
+    trainer = _trainer(tmp_path, max_steps=3)
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+
+    opt = trainer.optimizers[0]
+    assert isinstance(opt, Helene) and not module.automatic_optimization
+    assert trainer.global_step == 3 and opt.step_count == 3 and opt.skipped_nonfinite == 0
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])
+    assert all(p.grad is None for p in module.model.parameters())
+
+    reference.eval()
+    ref_opt = HELENE([p for p in reference.parameters() if p.requires_grad])
+    for i in range(3):
+        batch = batches[i % 2]
+        ref_opt.step(lambda batch=batch: reference(**batch).loss.float())
+    for (n, p), q in zip(module.model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-7, msg=n)
+        assert torch.equal(p, init[n]) != p.requires_grad, n  # trainable moved, frozen did not
+
+
+def test_checkpoint_resume_equals_uninterrupted_fit(tiny_model, tmp_path):
+    from torch.utils.data import DataLoader
+
+    # One batch per epoch: Lightning's own data position on resume (it may replay a batch) cannot matter, so
+    # any difference would come from the optimizer state (m, h, step, generator) in the checkpoint.
+    loader = lambda: DataLoader(_batches(n_batches=1), batch_size=None)
+    full = _module(tiny_model, HELENE)
+    _trainer(tmp_path / "a", max_steps=4).fit(full, train_dataloaders=loader())
+
+    first = _module(tiny_model, HELENE)
+    trainer = _trainer(tmp_path / "b", max_steps=2)
+    trainer.fit(first, train_dataloaders=loader())
+    ckpt = tmp_path / "half.ckpt"
+    trainer.save_checkpoint(ckpt)
+    resumed = _module(tiny_model, HELENE)
+    trainer = _trainer(tmp_path / "c", max_steps=4)
+    trainer.fit(resumed, train_dataloaders=loader(), ckpt_path=str(ckpt))
+    assert trainer.optimizers[0].step_count == 4
+    for (n, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), n
+
+
+DDP_SCRIPT = r'''
+import sys, torch, lightning
+from functools import partial
+from torch.utils.data import DataLoader
+sys.path.insert(0, ".")
+from helene import ZOSGD
+from peftplug.lightning import PeftModule
+from peftplug.tiny import tiny_model
+
+class Save(lightning.Callback):
+    seen = []
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.seen.append({k: v.clone() for k, v in batch.items()})
+    def on_train_end(self, trainer, module):
+        torch.save({"params": [p.detach().clone() for p in module.model.parameters()], "batches": self.seen},
+                   f"{OUT}.{trainer.global_rank}")
+
+def main():
+    batches = torch.load(f"{OUT}.batches")
+    module = PeftModule(tiny_model("bert", "seq_cls", seed=0, num_labels=2), task="seq_cls",
+                        optimizer=partial(ZOSGD, lr=1e-2, eps=1e-2, seed=RANK_SEED))
+    trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=3, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                default_root_dir=OUT + "_root", callbacks=[Save()])
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None, shuffle=False))
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.mark.slow  # two spawned Lightning processes: ~1 min on idle cores, several when shared
+def test_ddp_two_processes_equal_one_process_over_the_global_batch(tiny_model, tmp_path, run_fresh):
+    """One process trained on the concatenation of the two ranks' batches (as Lightning's distributed sampler
+    dealt them) takes the same steps: the closure's all-reduced loss is the global-batch mean."""
+    from torch.utils.data import DataLoader
+
+    from peftplug.lightning import PeftModule
+
+    out = str(tmp_path / "ddp")
+    batches = _batches(n_batches=6, size=4, seed=1)
+    torch.save(batches, f"{out}.batches")
+    run_fresh(DDP_SCRIPT.replace("OUT", repr(out)).replace("RANK_SEED", "5"), timeout=600)
+    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert len(r0["batches"]) == len(r1["batches"]) == 3
+    assert not torch.equal(r0["batches"][0]["input_ids"], r1["batches"][0]["input_ids"])
+    merged = [{k: torch.cat([a[k], b[k]]) for k in a} for a, b in zip(r0["batches"], r1["batches"])]
+    single = PeftModule(tiny_model("bert", "seq_cls", seed=0, num_labels=2), task="seq_cls",
+                        optimizer=partial(ZOSGD, lr=1e-2, eps=1e-2, seed=5))
+    init = [p.detach().clone() for p in single.model.parameters()]
+    _trainer(tmp_path, max_steps=3).fit(single, train_dataloaders=DataLoader(merged, batch_size=None))
+    for a, b in zip(r0["params"], r1["params"]):
+        assert torch.equal(a, b)
+    for a, p in zip(r0["params"], single.model.parameters()):
+        torch.testing.assert_close(a, p.detach(), rtol=0, atol=1e-5)
+    assert max((a - b).abs().max().item() for a, b in zip(r0["params"], init)) > 1e-3
+
+
+def test_offline_recipe_fits_with_helene_on_a_tiny_model(tmp_path, capsys):
+    """recipes/helene/minilm_bbcnews_lora.yaml end to end (tiny BERT, few articles): Helene from class_path."""
+    from pathlib import Path
+
+    from peftplug.cli import cli
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "helene" / "minilm_bbcnews_lora.yaml"
+    args = ["fit", "--config", str(recipe), "--model.model", "tiny:bert", "--trainer.max_steps", "3",
+            "--trainer.val_check_interval", "3", "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            "--data.init_args.n_train", "32", "--data.init_args.n_val", "8", "--data.init_args.n_test", "8",
+            "--data.init_args.max_length", "32"]
+    run = cli(args)
+    opt = run.trainer.optimizers[0]
+    assert isinstance(opt, Helene) and opt.step_count == 3 and run.trainer.global_step == 3
+    assert all(g["lam"] == 1.0 for g in opt.param_groups) and len(opt.param_groups) > 1  # layerwise: tensor
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("held-out accuracy: ")
