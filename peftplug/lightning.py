@@ -295,6 +295,9 @@ class PeftModule(L.LightningModule):
             return None
         loss = torch.as_tensor(loss, dtype=torch.float32).detach()
         self.log("train_loss", loss, prog_bar=True)
+        counters = getattr(optimizer.optimizer, "counters", None)
+        if callable(counters):
+            self.log_dict({name: float(value) for name, value in counters().items()})
         return loss
 
     def configure_optimizers(self) -> Any:
@@ -302,7 +305,9 @@ class PeftModule(L.LightningModule):
 
         Switches to manual optimization when the optimizer says ``is_zeroth_order``.
         """
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        # (name, parameter) pairs: torch optimizers accept them (and record param_names), and layer-wise
+        # optimizers such as HELENE group and exempt parameters (biases, norms) by name.
+        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         if not params:
             raise ConfigError("nothing to train: the model has no trainable parameters")
         if self.optimizer_factory is None:
@@ -310,6 +315,9 @@ class PeftModule(L.LightningModule):
         else:
             optimizer = self.optimizer_factory(params)
         self.automatic_optimization = not getattr(optimizer, "is_zeroth_order", False)
+        if hasattr(optimizer, "set_total_steps") and self._trainer is not None:
+            # Lets schedules inside the optimizer (HELENE's annealing horizon "auto") follow the run's length.
+            optimizer.set_total_steps(int(self.trainer.estimated_stepping_batches))
         if self.lr_scheduler_factory is None:
             return optimizer
         scheduler = self.lr_scheduler_factory(optimizer)
