@@ -40,3 +40,32 @@ def check_name_collision() -> None:
             "their files overwrite each other. Install peftplug and Hugging Face's `kernels` in separate "
             "environments (or `pip uninstall kernels`), then reinstall peftplug."
         )
+
+
+# Public names of Hugging Face's `kernels` that other libraries import from it (bitsandbytes 0.50 tries
+# `from kernels import get_kernel` at import and otherwise prints "cannot import name 'get_kernel'").
+_HF_KERNELS_NAMES = frozenset({
+    "get_kernel", "get_local_kernel", "has_kernel", "load_kernel", "install_kernel", "kernelize",
+    "use_kernel_forward_from_hub", "use_kernel_mapping", "register_kernel_mapping",
+    "replace_kernel_forward_from_hub", "LayerRepository", "LocalLayerRepository", "Mode", "Device",
+})
+
+
+def __getattr__(name: str):
+    """Says clearly that this ``kernels`` is peftplug's when code asks it for Hugging Face ``kernels`` names.
+
+    An ``ImportError`` (not ``AttributeError``) so that ``from kernels import get_kernel`` shows this message.
+
+    Args:
+        name: The attribute looked up.
+    """
+    if name in _HF_KERNELS_NAMES:
+        others = other_kernels_distributions()
+        installed = (f"{', '.join(others)} is installed too and its files are overwritten by ours"
+                     if others else "Hugging Face's `kernels` is not installed")
+        raise KernelsNameCollision(
+            f"cannot import {name!r}: the top-level package 'kernels' here is peftplug's fused OFT ops ({__file__}), "
+            f"not Hugging Face's `kernels` ({installed}). Code needing Hugging Face's kernels falls back or must run "
+            "in an environment without peftplug."
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

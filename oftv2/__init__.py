@@ -14,13 +14,13 @@ from .model import OFTv2Model
 
 register_method("oftv2", OFTv2Config, OFTv2Model, prefix="oftv2_")
 
-from .diagnostics import (  # noqa: E402
+from .diagnostics import (
     LayerDiagnostics,
     NeumannDivergenceWarning,
     format_diagnostics,
     rotation_diagnostics,
 )
-from .interop import (  # noqa: E402
+from .interop import (
     export_peft_oft_adapter,
     load_peft_oft_adapter,
     oft_config_from_oftv2,
@@ -32,20 +32,20 @@ from .interop import (  # noqa: E402
 )
 
 __all__ = [
-    "OFTv2Config",
-    "OFTv2Model",
-    "OFTv2Layer",
-    "Linear",
     "LayerDiagnostics",
+    "Linear",
     "NeumannDivergenceWarning",
-    "rotation_diagnostics",
-    "format_diagnostics",
+    "OFTv2Config",
+    "OFTv2Layer",
+    "OFTv2Model",
     "export_peft_oft_adapter",
+    "format_diagnostics",
     "load_peft_oft_adapter",
     "oft_config_from_oftv2",
     "oftv2_config_from_oft",
     "oftv2_terms_to_peft",
     "peft_terms_to_oftv2",
+    "rotation_diagnostics",
     "state_dict_from_peft_oft",
     "state_dict_to_peft_oft",
 ]

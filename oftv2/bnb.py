@@ -29,7 +29,7 @@ from torch import nn
 from kernels import ops
 
 from .config import OFTv2Config
-from .layer import Linear, OFTv2Layer
+from .layer import Linear
 
 
 @functools.lru_cache(maxsize=1)
@@ -263,7 +263,7 @@ class _QuantizedOFTv2(Linear):
         Args:
             adapter_names: Adapters to fold in, in forward order.
         """
-        names = [a for a in (adapter_names or self.active_adapters) if a in self.oftv2_Q]
+        names = [a for a in (self.active_adapters if adapter_names is None else adapter_names) if a in self.oftv2_Q]
         weight = self._get_base_weight()
         for name in reversed(names):  # R₁ is applied first in forward, so its transpose ends up rightmost
             weight = self._apply_rotation_to_weight(weight, name, inverse=False)
@@ -384,47 +384,66 @@ def _parent_and_name(root: nn.Module, qualified: str) -> tuple[nn.Module, str]:
     return (root.get_submodule(parent_name) if parent_name else root), child
 
 
+def _dense_linear(base: nn.Module, weight: torch.Tensor, dtype: torch.dtype | None) -> nn.Linear:
+    """An ``nn.Linear`` holding ``weight`` (``out × in``) and ``base``'s bias.
+
+    Args:
+        base: The quantized layer being replaced.
+        weight: Its full-precision weight (adapters folded in or not).
+        dtype: Output dtype; default: the 4-bit state's dtype, fp16 for 8-bit layers.
+    """
+    state = getattr(base.weight, "quant_state", None)
+    out_dtype = dtype or (state.dtype if state is not None else torch.float16)
+    dense = nn.Linear(weight.shape[1], weight.shape[0], bias=base.bias is not None, device=weight.device,
+                      dtype=out_dtype)
+    with torch.no_grad():
+        dense.weight.copy_(weight.to(out_dtype))
+        if base.bias is not None:
+            dense.bias.copy_(base.bias.to(out_dtype))
+    return dense
+
+
 def merge_and_export_full_precision(peft_model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     """Folds the active OFTv2 adapters into full-precision weights and returns the plain base model.
 
-    Quantized layers become ``nn.Linear`` holding ``deq(W) Rᵀ`` (no requantization, hence no merge drift);
-    unquantized OFTv2 layers are merged as usual. The model's quantization markers are cleared so that
-    ``save_pretrained`` writes an ordinary full-precision checkpoint.
+    Quantized layers become ``nn.Linear`` holding ``deq(W) Rᵀ`` (no requantization, hence no merge drift; an
+    adapter already merged into the quantized weight is exported as it is now, not folded in twice); the rest goes
+    through PEFT's ``merge_and_unload`` (unquantized OFTv2 layers merged, ``modules_to_save`` copies unwrapped).
+    The model's quantization markers are cleared so that ``save_pretrained`` writes an ordinary checkpoint.
 
     Args:
-        peft_model: A ``PeftModel`` (or the tuner model) with OFTv2 adapters.
+        peft_model: A ``PeftModel`` (or the ``OFTv2Model`` tuner) with OFTv2 adapters.
         dtype: Weight dtype of the exported quantized layers (default: the dtype the base was quantized from).
 
     Returns:
         The underlying transformers model, adapters removed. ``peft_model`` must not be used afterwards.
     """
-    tuner = getattr(peft_model, "base_model", peft_model)
-    model = getattr(tuner, "model", tuner)
-    replacements = []
-    for name, module in model.named_modules():
-        if not isinstance(module, OFTv2Layer):
-            continue
-        base = module.get_base_layer()
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
+
+    if isinstance(peft_model, PeftModel):
+        tuner = peft_model.base_model
+    elif isinstance(peft_model, BaseTuner):
+        tuner = peft_model
+    else:
+        raise TypeError(f"expected a PeftModel or an OFTv2Model, got {type(peft_model).__name__}")
+    quantized = tuple(c for c in map(_loaded_bnb_class, ("Linear4bit", "Linear8bitLt")) if c is not None)
+    for name, module in list(tuner.model.named_modules()):
         if isinstance(module, _QuantizedOFTv2):
+            base = module.get_base_layer()
+            pending = [a for a in module.active_adapters if a not in module.merged_adapters]
             with torch.no_grad():
-                weight = module.full_precision_weight()
-            if isinstance(module, Linear4bit):
-                out_dtype = dtype or module._quant_dtype or base.weight.quant_state.dtype
-            else:
-                out_dtype = dtype or torch.float16
-            dense = nn.Linear(module.in_features, module.out_features, bias=base.bias is not None,
-                              device=weight.device, dtype=out_dtype)
-            with torch.no_grad():
-                dense.weight.copy_(weight.to(out_dtype))
-                if base.bias is not None:
-                    dense.bias.copy_(base.bias.to(out_dtype))
-            replacements.append((name, dense))
+                weight = module.full_precision_weight(pending)
+        elif quantized and isinstance(module, quantized) and not name.endswith("base_layer"):
+            # A quantized layer no adapter targets: dequantized too, so the export holds no bnb layer at all.
+            base = module
+            is_4bit = getattr(base.weight, "quant_state", None) is not None
+            weight = dequantize_4bit_weight(base) if is_4bit else dequantize_8bit_weight(base)
         else:
-            module.merge()
-            replacements.append((name, base))
-    for name, new in replacements:
-        parent, child = _parent_and_name(model, name)
-        setattr(parent, child, new)
+            continue
+        parent, child = _parent_and_name(tuner.model, name)
+        setattr(parent, child, _dense_linear(base, weight, dtype))
+    model = tuner.merge_and_unload()
     for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized"):
         if getattr(model, attr, False):
             setattr(model, attr, False)

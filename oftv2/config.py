@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Literal
 
 from peft.config import PeftConfig
 
@@ -56,8 +56,8 @@ class OFTv2Config(PeftConfig):
             automatically for ``Conv1D`` layers.
     """
 
-    block_size: Optional[int] = field(default=None, metadata={"help": "Rotation block size b (or give r)."})
-    r: Optional[int] = field(
+    block_size: int | None = field(default=None, metadata={"help": "Rotation block size b (or give r)."})
+    r: int | None = field(
         default=None, metadata={"help": "Number of rotation blocks per layer (or give block_size)."}
     )
     orthogonalization: Literal["cayley_neumann", "cayley", "peft_cn"] = field(
@@ -66,26 +66,26 @@ class OFTv2Config(PeftConfig):
     neumann_terms: int = field(default=5, metadata={"help": "Neumann series length (highest power n-1)."})
     block_share: bool = field(default=False, metadata={"help": "Share one rotation block across the width."})
     module_dropout: float = field(default=0.0, metadata={"help": "Probability of replacing a block by I."})
-    max_q_norm: Optional[float] = field(
+    max_q_norm: float | None = field(
         default=None, metadata={"help": "Rescale Q blocks whose Frobenius norm exceeds this bound."}
     )
     init_weights: bool = field(default=True, metadata={"help": "Q = 0 at init (identity rotation)."})
     kernel_impl: Literal["auto", "torch", "triton"] = field(
         default="auto", metadata={"help": "Kernel choice."}
     )
-    target_modules: Optional[Union[list[str], str]] = field(
+    target_modules: list[str] | str | None = field(
         default=None, metadata={"help": "Module names or regex to adapt, or 'all-linear'."}
     )
-    exclude_modules: Optional[Union[list[str], str]] = field(
+    exclude_modules: list[str] | str | None = field(
         default=None, metadata={"help": "Module names or regex not to adapt."}
     )
-    layers_to_transform: Optional[Union[list[int], int]] = field(
+    layers_to_transform: list[int] | int | None = field(
         default=None, metadata={"help": "Layer indices to adapt."}
     )
-    layers_pattern: Optional[Union[list[str], str]] = field(
+    layers_pattern: list[str] | str | None = field(
         default=None, metadata={"help": "Name of the layer ModuleList (with layers_to_transform)."}
     )
-    modules_to_save: Optional[list[str]] = field(
+    modules_to_save: list[str] | None = field(
         default=None, metadata={"help": "Extra modules to train and save (e.g. the classifier)."}
     )
     bias: Literal["none", "all", "oftv2_only"] = field(
@@ -129,7 +129,8 @@ class OFTv2Config(PeftConfig):
             )
         for name in ("block_share", "init_weights", "fan_in_fan_out"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
+                # ValueError for every bad config value (the house rule), wrong type included.
+                raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}")  # noqa: TRY004
         p = self.module_dropout
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
             raise ValueError(f"`module_dropout` must be a float in [0, 1), got {p!r}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
@@ -82,7 +81,7 @@ def layer_diagnostics(layer: OFTv2Layer, adapter: str, name: str = "") -> LayerD
 
 
 def rotation_diagnostics(
-    model: nn.Module, adapter: Optional[str] = None, warn: bool = True
+    model: nn.Module, adapter: str | None = None, warn: bool = True
 ) -> list[LayerDiagnostics]:
     """Reports ||RᵀR − I||_F and ||Q||_2 for every OFTv2 layer of ``model``.
 

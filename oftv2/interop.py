@@ -31,7 +31,6 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Optional
 
 import torch
 from peft import OFTConfig
@@ -87,7 +86,7 @@ def peft_terms_to_oftv2(terms: int) -> tuple[str, int]:
     return "peft_cn", max(terms, 4)  # PEFT's n = 3 computes the n = 4 polynomial
 
 
-def oftv2_terms_to_peft(form: str, terms: int) -> Optional[int]:
+def oftv2_terms_to_peft(form: str, terms: int) -> int | None:
     """PEFT's ``num_cayley_neumann_terms`` that reproduces an OFTv2 Neumann form, or ``None`` if none does.
 
     Args:
@@ -245,7 +244,8 @@ def export_peft_oft_adapter(
 
     config = peft_model.peft_config[adapter_name]
     if not isinstance(config, OFTv2Config):
-        raise ValueError(f"adapter {adapter_name!r} is not an OFTv2 adapter ({type(config).__name__})")
+        # A wrong adapter *choice*, not a wrong argument type: ValueError like PEFT's own adapter-name errors.
+        raise ValueError(f"adapter {adapter_name!r} is not an OFTv2 adapter ({type(config).__name__})")  # noqa: TRY004
     if (
         config.orthogonalization != "cayley"
         and oftv2_terms_to_peft(config.orthogonalization, config.neumann_terms) is None
@@ -306,7 +306,7 @@ def load_peft_oft_adapter(
     adapter_dir: str | os.PathLike,
     adapter_name: str = "default",
     is_trainable: bool = False,
-    config_overrides: Optional[dict] = None,
+    config_overrides: dict | None = None,
 ):
     """Loads a PEFT OFT adapter directory into ``model`` as an OFTv2 adapter.
 

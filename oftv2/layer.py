@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
@@ -42,7 +42,7 @@ class RotationSettings:
     form: str
     terms: int
     dropout: float
-    max_q_norm: Optional[float]
+    max_q_norm: float | None
     block_share: bool
     impl: str
 
@@ -56,7 +56,7 @@ def valid_block_sizes(width: int) -> list[int]:
     return [b for b in range(2, width + 1) if width % b == 0]
 
 
-def resolve_block_size(width: int, block_size: Optional[int], r: Optional[int], layer_name: str = "") -> int:
+def resolve_block_size(width: int, block_size: int | None, r: int | None, layer_name: str = "") -> int:
     """The block size a layer of input ``width`` gets from a config's ``block_size`` or ``r``.
 
     Args:
@@ -84,7 +84,7 @@ def resolve_block_size(width: int, block_size: Optional[int], r: Optional[int], 
     return width // r
 
 
-def bound_q(q_vec: torch.Tensor, max_q_norm: Optional[float]) -> torch.Tensor:
+def bound_q(q_vec: torch.Tensor, max_q_norm: float | None) -> torch.Tensor:
     """Rescales each block's triangle so that its skew matrix has Frobenius norm <= ``max_q_norm``.
 
     Differentiable; blocks inside the bound are unchanged. ``||Q||_2 <= ||Q||_F``, so a bound < 1 keeps the
@@ -246,16 +246,21 @@ class OFTv2Layer(BaseTunerLayer):
         return out.reshape(weight.shape)
 
     # -------------------------------------------------------------------------------------- merge / unmerge
-    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         """Folds the adapters into the base weight: ``W ← W Rₙᵀ … R₁ᵀ``.
 
         Args:
             safe_merge: Compute on a copy and raise ``ValueError`` before writing if it is not finite.
-            adapter_names: Adapters to merge (default: the active ones), in forward order.
+            adapter_names: Adapters to merge (default: the active ones); folded in forward (``active_adapters``)
+                order whatever order they are listed in.
         """
         adapter_names = [a for a in check_adapters_to_merge(self, adapter_names) if a in self.oftv2_Q]
         if not adapter_names:
             return
+        # Rotations do not commute: fold in the order the forward applies them (active adapters first, in
+        # active_adapters order), whatever order the caller listed them in.
+        active = list(self.active_adapters)
+        adapter_names.sort(key=lambda a: active.index(a) if a in active else len(active))
         weight = self._get_base_weight()
         # The forward applies R₁ first, so its transpose must end up rightmost: fold from the last adapter.
         order = list(reversed(adapter_names))
@@ -332,7 +337,7 @@ class Linear(nn.Module, OFTv2Layer):
 
 def dispatch_default(
     target: nn.Module, adapter_name: str, config: OFTv2Config, **kwargs
-) -> Optional[nn.Module]:
+) -> nn.Module | None:
     """Wraps ``nn.Linear`` and GPT-2 ``Conv1D`` layers; returns ``None`` for anything else.
 
     Args:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils import TRANSFORMERS_MODELS_TO_OFT_TARGET_MODULES_MAPPING
@@ -13,7 +13,10 @@ from torch import nn
 from .config import OFTv2Config
 from .layer import OFTv2Layer, dispatch_default
 
-Dispatcher = Callable[..., Optional[nn.Module]]
+Dispatcher = Callable[..., nn.Module | None]
+# PEFT's "no module matched" messages (PEFT < 0.18 raises them as a plain ValueError, later as the subclass
+# NoMatchingPeftModuleError); only these get the list of adaptable modules appended.
+_NO_MATCH_MESSAGES = ("not found in the base model", "No modules were targeted", "All modules were excluded")
 
 
 def dispatchers() -> list[Dispatcher]:
@@ -38,6 +41,28 @@ def dispatchers() -> list[Dispatcher]:
     return found
 
 
+def adaptable_modules_hint(model: nn.Module, limit: int = 40) -> str:
+    """A sentence naming the modules of ``model`` that OFTv2 can adapt, by their last name component.
+
+    Args:
+        model: The model that was searched.
+        limit: Most names to list.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    names: dict[str, None] = {}  # ordered set
+    for full_name, module in model.named_modules():
+        base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
+        # A wrapped layer is listed under its wrapper's name, not as "<name>.base_layer".
+        inner = full_name.endswith(("base_layer", "original_module")) or ".modules_to_save." in full_name
+        if isinstance(base, (nn.Linear, Conv1D)) and full_name and not inner:
+            names.setdefault(full_name.rsplit(".", 1)[-1], None)
+    if not names:
+        return "The model has no nn.Linear or Conv1D module OFTv2 could adapt."
+    listed = ", ".join(list(names)[:limit]) + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
+    return f"Adaptable modules (nn.Linear / Conv1D, by name) in this model: {listed}."
+
+
 class OFTv2Model(BaseTuner):
     """Injects OFTv2 layers into a model. Use through ``peft.get_peft_model(model, OFTv2Config(...))``.
 
@@ -52,6 +77,22 @@ class OFTv2Model(BaseTuner):
     prefix: str = "oftv2_"
     tuner_layer_cls = OFTv2Layer
     target_module_mapping = TRANSFORMERS_MODELS_TO_OFT_TARGET_MODULES_MAPPING
+
+    def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
+        """PEFT's injection; when no module matched, the error also lists the adaptable modules that exist.
+
+        Args:
+            model: The model to adapt.
+            adapter_name: Name of the adapter.
+            *args: Passed to ``BaseTuner.inject_adapter``.
+            **kwargs: Passed to ``BaseTuner.inject_adapter``.
+        """
+        try:
+            super().inject_adapter(model, adapter_name, *args, **kwargs)
+        except ValueError as err:
+            if not any(m in str(err) for m in _NO_MATCH_MESSAGES):
+                raise
+            raise type(err)(f"{err} {adaptable_modules_hint(model)}") from err
 
     def _create_and_replace(
         self, config, adapter_name, target, target_name, parent, current_key, **optional_kwargs

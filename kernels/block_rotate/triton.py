@@ -27,7 +27,8 @@ def _block_mm_kernel(
     pid_bn = tl.program_id(1)
     blk = pid_bn // n_tiles_n
     n0 = (pid_bn % n_tiles_n) * BLOCK_N
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    # int64 rows: tokens × width can exceed 2³¹ elements (e.g. 256k tokens × 14336), where int32 offsets wrap.
+    rows = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     cols = n0 + tl.arange(0, BLOCK_N)
     row_ok = rows < T
     acc = tl.full((BLOCK_T, BLOCK_N), 0.0, tl.float32)
@@ -55,7 +56,7 @@ def _block_atb_kernel(
     ns = (rest % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for t0 in range(0, T, BLOCK_T):
-        ts = t0 + tl.arange(0, BLOCK_T)
+        ts = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)  # int64 offsets, as in _block_mm_kernel
         t_ok = ts < T
         # A tile loaded transposed: [BLOCK_M, BLOCK_T].
         a_t = tl.load(a_ptr + ts[None, :] * stride_at + (blk * B + ms)[:, None],

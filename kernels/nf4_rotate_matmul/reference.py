@@ -58,11 +58,14 @@ def dequantize_4bit(weight: torch.Tensor, quant_state, dtype: torch.dtype | None
     shape = tuple(quant_state.shape)
     n = math.prod(shape)
     packed = packed_bytes(weight)
-    codes = torch.stack((packed >> 4, packed & 0xF), dim=-1).reshape(-1)[:n].long()
-    values = quant_state.code.float().to(packed.device)[codes]
+    # Lean on memory (this also runs in the fused kernel's backward on GPU): uint8 nibbles, int32 indices and a
+    # per-block broadcast of the scales instead of int64 codes and an n-long repeated scale vector.
+    codes = torch.stack((packed >> 4, packed & 0xF), dim=-1).reshape(-1)[:n]
+    values = quant_state.code.float().to(packed.device)[codes.int()]
     absmax = dequantize_absmax(quant_state)
-    scales = absmax.repeat_interleave(quant_state.blocksize)[:n]
-    return (values * scales).reshape(shape).to(dtype or quant_state.dtype)
+    blocksize = int(quant_state.blocksize)
+    values = F.pad(values, (0, absmax.numel() * blocksize - n)).view(-1, blocksize)
+    return (values * absmax.view(-1, 1)).reshape(-1)[:n].reshape(shape).to(dtype or quant_state.dtype)
 
 
 def nf4_rotate_matmul(x: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, quant_state,

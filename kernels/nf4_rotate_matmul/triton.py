@@ -25,7 +25,8 @@ def _rotate_dequant_matmul_kernel(
 ):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    # int64 rows: tokens × width can exceed 2³¹ elements, where int32 offsets wrap.
+    rows = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BB)
     row_ok = rows < T

@@ -80,3 +80,15 @@ def test_name_collision_is_reported(monkeypatch):
     monkeypatch.setattr(kernels, "other_kernels_distributions", lambda: ("kernels",))
     with pytest.raises(kernels.KernelsNameCollision, match="pip uninstall kernels"):
         kernels.check_name_collision()
+
+
+def test_hugging_face_kernels_names_fail_clearly():
+    # bitsandbytes (and any code expecting Hugging Face's `kernels`) imports these from the top-level `kernels`.
+    with pytest.raises(ImportError, match="peftplug's fused OFT ops"):
+        from kernels import get_kernel  # noqa: F401
+    import kernels
+
+    assert not hasattr(kernels, "not_an_attribute")
+    from kernels import ops as ops_again  # our own submodules are unaffected
+
+    assert ops_again is ops

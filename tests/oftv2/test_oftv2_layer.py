@@ -111,6 +111,10 @@ def test_several_adapters_compose_as_successive_rotations(tiny_model, tokens):
         peft_model.merge_adapter(["default", "second"])
         assert torch.allclose(peft_model(tokens).logits, composed, atol=1e-4)
         peft_model.unmerge_adapter()
+        # Listed in the other order: still folded in the order the forward applies them.
+        peft_model.merge_adapter(["second", "default"])
+        assert torch.allclose(peft_model(tokens).logits, composed, atol=1e-4)
+        peft_model.unmerge_adapter()
 
 
 def test_adapter_management(tiny_model, tokens):
@@ -167,9 +171,13 @@ def test_block_size_not_dividing_width_lists_valid_sizes(tiny_model):
         peft.get_peft_model(tiny_model("llama"), OFTv2Config(target_modules=["q_proj"], r=3))
 
 
-def test_unknown_target_is_reported(tiny_model):
-    with pytest.raises(ValueError, match="not_a_layer"):
+def test_unknown_target_is_reported_with_what_exists(tiny_model):
+    with pytest.raises(ValueError, match="not_a_layer") as caught:
         peft.get_peft_model(tiny_model("llama"), OFTv2Config(target_modules=["not_a_layer"]))
+    listed = str(caught.value).split("Adaptable modules", 1)[1]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"):
+        assert name in listed
+    assert "embed_tokens" not in listed and "base_layer" not in listed
 
 
 def test_module_dropout_is_applied_in_training_only():

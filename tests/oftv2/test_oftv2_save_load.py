@@ -90,3 +90,37 @@ def test_state_dict_holds_only_adapter_tensors(tiny_model):
     state = peft.get_peft_model_state_dict(peft_model)
     n_layers = sum(1 for m in peft_model.modules() if isinstance(m, oftv2.OFTv2Layer))
     assert len(state) == n_layers and all(k.endswith("oftv2_Q") for k in state)
+
+
+def test_modules_to_save_round_trip_and_is_trainable(tiny_model, tokens, tmp_path):
+    config = OFTv2Config(target_modules=["q_proj", "v_proj"], block_size=8, modules_to_save=["score"],
+                         task_type="SEQ_CLS")
+    peft_model = peft.get_peft_model(tiny_model("llama", task="seq_cls", seed=0), config)
+    randomize_q(peft_model, std=0.03)
+    head = peft_model.base_model.model.score
+    with torch.no_grad():
+        head.modules_to_save["default"].weight.mul_(-2.0)  # the saved copy must differ from the base head
+    peft_model.eval()
+    with torch.no_grad():
+        expected = peft_model(tokens).logits
+    peft_model.save_pretrained(tmp_path)
+    assert any("score" in k for k in load_file(tmp_path / "adapter_model.safetensors"))
+    loaded = PeftModel.from_pretrained(tiny_model("llama", task="seq_cls", seed=0), tmp_path, is_trainable=True)
+    trainable = {n for n, p in loaded.named_parameters() if p.requires_grad}
+    assert any("oftv2_Q.default" in n for n in trainable) and any("modules_to_save.default" in n for n in trainable)
+    assert all("oftv2_Q" in n or "modules_to_save" in n for n in trainable)
+    loaded.eval()
+    with torch.no_grad():
+        assert torch.allclose(loaded(tokens).logits, expected, atol=1e-6)
+
+
+def test_exclude_modules_and_layers_to_transform(tiny_model):
+    def adapted(**kw):
+        model = peft.get_peft_model(tiny_model("llama"), OFTv2Config(block_size=8, **kw))
+        return sorted(n.replace("base_model.model.model.", "") for n, m in model.named_modules()
+                      if isinstance(m, oftv2.OFTv2Layer))
+
+    names = adapted(target_modules="all-linear", exclude_modules=["down_proj", "q_proj"])
+    assert len(names) == 10 and not any(n.endswith(("down_proj", "q_proj")) for n in names)
+    assert adapted(target_modules=["q_proj", "v_proj"], layers_to_transform=[1]) == [
+        "layers.1.self_attn.q_proj", "layers.1.self_attn.v_proj"]

@@ -226,3 +226,20 @@ def test_saved_adapter_reloads_on_a_fresh_4bit_base(load_quantized, randomize, b
     reloaded.train()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**batch).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_export_unwraps_modules_to_save_and_does_not_fold_a_merged_adapter_twice(load_quantized, randomize, batch):
+    model = _adapt(load_quantized(4, "nf4", False), target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    randomize(model, std=0.05)
+    with torch.no_grad():
+        model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)
+    _first_qoft(model).merge()  # this layer's rotation now lives in its (requantized) 4-bit weight
+    model.train()  # same bitsandbytes CPU code path as the export (see test_merge_and_export_full_precision)
+    with torch.no_grad():
+        current = model(**batch).logits
+    exported = qoft.merge_and_export_full_precision(model)
+    assert not any(isinstance(m, (peft.utils.ModulesToSaveWrapper, oftv2.OFTv2Layer, bnb.nn.Linear4bit))
+                   for m in exported.modules())
+    assert not any("modules_to_save" in k or "original_module" in k for k in exported.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(exported(**batch).logits, current, rtol=1e-4, atol=1e-4)
