@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kernels import ops
+from peftplug.fileio import atomic_write
 
 from .config import OFTv2Config
 from .layer import OFTv2Layer, bound_q
@@ -215,18 +215,6 @@ def _series_gap(model: nn.Module, adapter_name: str) -> float:
     return gap
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def export_peft_oft_adapter(
     peft_model: nn.Module, out_dir: str | os.PathLike, adapter_name: str = "default"
 ) -> Path:
@@ -274,8 +262,8 @@ def export_peft_oft_adapter(
             json.dump(config_dict, fh, indent=2, sort_keys=True)
 
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    _atomic_write(out / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-    _atomic_write(out / CONFIG_NAME, write_config)
+    atomic_write(out / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    atomic_write(out / CONFIG_NAME, write_config)
     return out
 
 

@@ -52,13 +52,3 @@ def close():
     """``close(actual, expected, dtype, what)``: asserts agreement within a few roundings of ``dtype``, scaled to
     the expected tensor's magnitude."""
     return _assert_close
-
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """One intra-op thread for these small tensors: on a loaded 2-core machine OpenMP's thread handoff made the
-    tiny quantize/merge ops ~50x slower (measured 23 s vs 0.4 s for one merge round trip). Restored afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)

@@ -64,13 +64,3 @@ def randomize_q(model, std: float, seed: int = 0) -> None:
 def randomize():
     """``randomize(model, std)``: see :func:`randomize_q`."""
     return randomize_q
-
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """One intra-op thread for these small tensors: on a loaded 2-core machine OpenMP's thread handoff made the
-    tiny quantize/merge ops ~50x slower (measured 23 s vs 0.4 s for one merge round trip). Restored afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
