@@ -1,0 +1,109 @@
+"""Configuration of PCT (prompt contrastive transformation) target prompts."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+from peft.config import PromptLearningConfig
+
+FUSIONS = ("attention", "mean")
+
+
+@dataclass
+class PCTConfig(PromptLearningConfig):
+    """Configuration of a PCT target prompt: ``P_t = P_0 + sum_k a_k S_k (+ R)``.
+
+    ``P_0`` (task-agnostic) and ``S_k`` (task-specific, one per source task) come from a decomposition written by
+    :func:`prompt_transfer.decompose.save_decomposition`; they stay frozen. Only the attention query, the key
+    offsets and (optionally) the residual ``R`` train.
+
+    Args:
+        decomposition_path: Directory written by ``save_decomposition``. Needed to create a new adapter; a saved
+            PCT adapter carries ``P_0``/``S_k`` in its own state, so loading it works without the directory.
+        num_sources: Number of source tasks ``K``. Read from the decomposition when ``None``.
+        source_names: Names of the source tasks (for logging the attention). Read from the decomposition.
+        attention_temperature: Softmax temperature ``tau`` of ``a = softmax(q . key_k / (tau * sqrt(d)))``; keys
+            are unit vectors, so ``tau`` sets how fast the query can sharpen the attention. Must be > 0.
+        fusion: ``"attention"`` (learned softmax over sources) or ``"mean"`` (uniform ``1/K`` weights: the
+            "without attention" ablation; only the residual trains).
+        trainable_residual: Whether a residual prompt ``R`` (zero at init) trains next to the attention.
+        contrastive_weight: Weight of the auxiliary InfoNCE loss that keeps the target's task-specific part away
+            from ``P_0`` (0 disables it: the "without contrastive" ablation). Must be >= 0.
+        contrastive_temperature: Temperature of that InfoNCE loss. Must be > 0.
+    """
+
+    decomposition_path: str | None = field(default=None, metadata={"help": "Directory of the decomposition"})
+    num_sources: int | None = field(default=None, metadata={"help": "Number of source tasks K"})
+    source_names: list | None = field(default=None, metadata={"help": "Names of the K source tasks"})
+    attention_temperature: float = field(default=0.1, metadata={"help": "Softmax temperature of the attention"})
+    fusion: str = field(default="attention", metadata={"help": "attention | mean"})
+    trainable_residual: bool = field(default=True, metadata={"help": "Train a residual prompt R"})
+    contrastive_weight: float = field(default=0.01, metadata={"help": "Weight of the auxiliary InfoNCE loss"})
+    contrastive_temperature: float = field(default=0.5, metadata={"help": "Temperature of the InfoNCE loss"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        from peft.utils import PeftType
+
+        # The member exists once prompt_transfer is imported (the package registers it before using this class).
+        self.peft_type = PeftType["PCT"]
+        if not (isinstance(self.attention_temperature, (int, float)) and self.attention_temperature > 0):
+            raise ValueError(f"attention_temperature must be > 0, got {self.attention_temperature!r}")
+        if not (isinstance(self.contrastive_temperature, (int, float)) and self.contrastive_temperature > 0):
+            raise ValueError(f"contrastive_temperature must be > 0, got {self.contrastive_temperature!r}")
+        if not (isinstance(self.contrastive_weight, (int, float)) and math.isfinite(self.contrastive_weight)
+                and self.contrastive_weight >= 0):
+            raise ValueError(f"contrastive_weight must be a finite number >= 0, got {self.contrastive_weight!r}")
+        if self.fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {FUSIONS}, got {self.fusion!r}")
+        if self.fusion == "mean" and not self.trainable_residual:
+            raise ValueError("fusion='mean' with trainable_residual=False leaves nothing to train; "
+                             "set trainable_residual=True or fusion='attention'")
+        meta = self._read_decomposition_meta()
+        if meta is not None:
+            self._check_against(meta)
+        elif self.num_sources is None:
+            raise ValueError(
+                "PCTConfig needs decomposition_path (a directory written by prompt_transfer.save_decomposition) "
+                f"or num_sources; got decomposition_path={self.decomposition_path!r} (missing or unreadable)"
+            )
+        if self.num_sources is not None and (not isinstance(self.num_sources, int) or self.num_sources < 1):
+            raise ValueError(f"num_sources must be an int >= 1, got {self.num_sources!r}")
+        if self.source_names is not None and len(self.source_names) != self.num_sources:
+            raise ValueError(f"source_names has {len(self.source_names)} names for num_sources={self.num_sources}")
+        if self.num_virtual_tokens is None or self.num_virtual_tokens < 1:
+            raise ValueError(f"num_virtual_tokens must be >= 1, got {self.num_virtual_tokens!r}")
+
+    def _read_decomposition_meta(self) -> dict | None:
+        if self.decomposition_path is None:
+            return None
+        meta_file = os.path.join(self.decomposition_path, "decomposition.json")
+        if not os.path.isfile(meta_file):
+            # Loading a saved adapter whose decomposition directory is gone is fine: the adapter holds the tensors.
+            return None
+        with open(meta_file) as f:
+            return json.load(f)
+
+    def _check_against(self, meta: dict) -> None:
+        length, dim, k = meta["num_virtual_tokens"], meta["token_dim"], meta["num_sources"]
+        if self.num_virtual_tokens is None:
+            self.num_virtual_tokens = length
+        elif self.num_virtual_tokens != length:
+            raise ValueError(
+                f"num_virtual_tokens={self.num_virtual_tokens} does not match the decomposition at "
+                f"{self.decomposition_path} (prompts of {length} tokens)"
+            )
+        if self.token_dim is not None and self.token_dim != dim:
+            raise ValueError(
+                f"token_dim={self.token_dim} does not match the decomposition at {self.decomposition_path} "
+                f"(token_dim {dim}): the source prompts come from a model with another hidden size"
+            )
+        if self.source_names is None:
+            self.source_names = list(meta["source_names"])
+        if self.num_sources is None:
+            self.num_sources = k
+        elif self.num_sources != k:
+            raise ValueError(f"num_sources={self.num_sources} does not match the decomposition (K={k})")

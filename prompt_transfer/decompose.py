@@ -1,0 +1,315 @@
+"""Decomposition of source prompts into a task-agnostic ``P_0`` and task-specific ``S_k`` (SVD + InfoNCE).
+
+Given ``K`` source prompts ``P_k`` (``l x d`` each), flattened to the rows of ``X`` (``K x l*d``):
+
+1. SVD ``X = U diag(s) V^T``; keep the top ``r`` right singular vectors ``V_r`` (``r`` explicit, or the
+   smallest rank whose singular values explain a given share of ``sum s^2``). The shared subspace is
+   ``span(V_r)``; every prompt is projected into it, ``Xr_k = X_k V_r V_r^T`` (exact at full rank ``r = rank X``).
+2. ``P_0`` = the mean of the projected prompts (what all sources share inside that subspace);
+   ``S_k = Xr_k - P_0`` (what is specific to source ``k``). So ``P_0 + S_k = Xr_k``.
+3. Contrastive refinement (optional): ``P_0`` and ``S_k`` are tuned to minimise
+   ``||P_0 + S_k - Xr_k||^2 / mean||Xr_k||^2 + w * InfoNCE``, where the InfoNCE term takes each ``S_k`` as
+   anchor, its SVD value as positive, and the other ``S_j`` and ``P_0`` as negatives (cosine similarities over
+   the flattened prompts). It pulls redundant directions out of the ``S_k`` while the first term keeps the
+   sources reconstructible.
+
+The result is saved as ``decomposition.safetensors`` + ``decomposition.json`` (settings and diagnostics).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+TENSORS_FILE = "decomposition.safetensors"
+META_FILE = "decomposition.json"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Decomposition:
+    """A decomposition of ``K`` source prompts.
+
+    Args:
+        p0: Task-agnostic prompt, ``[l, d]``.
+        specific: Task-specific prompts ``S_k``, ``[K, l, d]``.
+        source_names: One name per source task.
+        rank: The SVD rank ``r`` that was kept.
+        settings: The arguments :func:`decompose` ran with, plus diagnostics (explained variance, losses).
+    """
+
+    p0: torch.Tensor
+    specific: torch.Tensor
+    source_names: list[str]
+    rank: int
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def num_sources(self) -> int:
+        """Number of source tasks ``K``."""
+        return self.specific.shape[0]
+
+    def reconstruct(self) -> torch.Tensor:
+        """The reconstructed source prompts ``P_0 + S_k``, ``[K, l, d]``."""
+        return self.p0.unsqueeze(0) + self.specific
+
+
+def info_nce(anchors: torch.Tensor, positives: torch.Tensor, negatives: torch.Tensor,
+             temperature: float, negative_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """InfoNCE over cosine similarities of flattened vectors.
+
+    Args:
+        anchors: ``[N, D]``.
+        positives: ``[N, D]``; row ``i`` is the positive of anchor ``i``.
+        negatives: ``[M, D]`` shared negatives.
+        temperature: Softmax temperature (> 0).
+        negative_mask: Optional ``[N, M]`` bool mask; ``False`` removes a negative for that anchor (e.g. itself).
+
+    Returns:
+        The mean loss ``-log(exp(cos(a,p)/t) / (exp(cos(a,p)/t) + sum_n exp(cos(a,n)/t)))``.
+    """
+    a = F.normalize(anchors, dim=-1, eps=1e-12)
+    pos = (a * F.normalize(positives, dim=-1, eps=1e-12)).sum(-1, keepdim=True) / temperature
+    neg = a @ F.normalize(negatives, dim=-1, eps=1e-12).T / temperature
+    if negative_mask is not None:
+        neg = neg.masked_fill(~negative_mask, float("-inf"))
+    logits = torch.cat([pos, neg], dim=1)
+    return (torch.logsumexp(logits, dim=1) - pos.squeeze(1)).mean()
+
+
+def decomposition_infonce(p0: torch.Tensor, specific: torch.Tensor, positives: torch.Tensor,
+                          temperature: float) -> torch.Tensor:
+    """The decomposition's InfoNCE: each ``S_k`` near its positive, away from the other ``S_j`` and ``P_0``.
+
+    Args:
+        p0: ``[l, d]``.
+        specific: ``[K, l, d]``.
+        positives: ``[K, l, d]`` (the SVD values of ``S_k``).
+        temperature: InfoNCE temperature.
+    """
+    k = specific.shape[0]
+    flat = specific.reshape(k, -1)
+    negatives = torch.cat([flat, p0.reshape(1, -1)], dim=0)
+    mask = torch.ones(k, k + 1, dtype=torch.bool, device=flat.device)
+    mask[torch.arange(k), torch.arange(k)] = False  # an anchor is not its own negative
+    return info_nce(flat, positives.reshape(k, -1), negatives, temperature, mask)
+
+
+def _stack(prompts: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, list[str]]:
+    if isinstance(prompts, Mapping):
+        names, tensors = list(prompts.keys()), list(prompts.values())
+    else:
+        tensors = list(prompts)
+        names = [f"source_{i}" for i in range(len(tensors))]
+    if not tensors:
+        raise ValueError("prompts is empty: decompose needs at least one source prompt")
+    shapes = [tuple(t.shape) for t in tensors]
+    for name, t in zip(names, tensors):
+        if t.dim() != 2:
+            raise ValueError(f"source prompt {name!r} must be 2-D [num_virtual_tokens, token_dim], got {tuple(t.shape)}")
+    if len(set(shapes)) != 1:
+        detail = ", ".join(f"{n}: {s}" for n, s in zip(names, shapes))
+        raise ValueError(f"source prompts must all have the same [num_virtual_tokens, token_dim]; got {detail}")
+    stacked = torch.stack([t.detach().to(torch.float32).cpu() for t in tensors])
+    if not torch.isfinite(stacked).all():
+        bad = [n for n, t in zip(names, stacked) if not torch.isfinite(t).all()]
+        raise ValueError(f"source prompts contain NaN/Inf values: {bad}")
+    return stacked, names
+
+
+def choose_rank(singular_values: torch.Tensor, explained_variance: float) -> int:
+    """Smallest rank whose singular values explain at least ``explained_variance`` of ``sum s^2``.
+
+    Args:
+        singular_values: Descending singular values.
+        explained_variance: Target share in ``(0, 1]``.
+    """
+    energy = singular_values.double() ** 2
+    share = torch.cumsum(energy, 0) / energy.sum().clamp_min(1e-300)
+    return int(torch.searchsorted(share, torch.tensor(explained_variance - 1e-12, dtype=share.dtype)).item()) + 1
+
+
+def decompose(
+    prompts: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+    rank: int | None = None,
+    explained_variance: float | None = None,
+    contrastive_weight: float = 0.1,
+    contrastive_steps: int = 200,
+    contrastive_temperature: float = 0.5,
+    lr: float = 1e-2,
+) -> Decomposition:
+    """Decomposes ``K`` source prompts into ``P_0`` and ``S_k`` (see the module docstring).
+
+    Args:
+        prompts: The source prompts ``[l, d]`` each, as a sequence or a ``{task name: prompt}`` mapping.
+        rank: SVD rank to keep, ``1 <= rank <= K``. Mutually exclusive with ``explained_variance``; when both are
+            ``None`` the full rank ``K`` is kept (exact reconstruction).
+        explained_variance: Keep the smallest rank explaining this share of ``sum s^2``, in ``(0, 1]``.
+        contrastive_weight: Weight ``w`` of the InfoNCE term (0 or ``contrastive_steps=0`` skips refinement).
+        contrastive_steps: Adam steps of the refinement.
+        contrastive_temperature: InfoNCE temperature (> 0).
+        lr: Adam learning rate of the refinement, relative to the prompts' RMS scale (the refinement is
+            deterministic: it starts from the SVD solution).
+
+    Returns:
+        The :class:`Decomposition`.
+
+    Raises:
+        ValueError: On an empty list, prompts of different shapes, non-finite values or out-of-range settings.
+    """
+    x3, names = _stack(prompts)
+    k, length, dim = x3.shape
+    if rank is not None and explained_variance is not None:
+        raise ValueError("give rank or explained_variance, not both")
+    if rank is not None and (not isinstance(rank, int) or not 1 <= rank <= k):
+        raise ValueError(f"rank must be an int in [1, K={k}] (K = number of source prompts), got {rank!r}")
+    if explained_variance is not None and not 0 < explained_variance <= 1:
+        raise ValueError(f"explained_variance must be in (0, 1], got {explained_variance!r}")
+    if contrastive_weight < 0 or not math.isfinite(contrastive_weight):
+        raise ValueError(f"contrastive_weight must be a finite number >= 0, got {contrastive_weight!r}")
+    if contrastive_steps < 0:
+        raise ValueError(f"contrastive_steps must be >= 0, got {contrastive_steps!r}")
+    if contrastive_temperature <= 0:
+        raise ValueError(f"contrastive_temperature must be > 0, got {contrastive_temperature!r}")
+
+    x = x3.reshape(k, -1).double()  # float64 SVD: full-rank reconstruction is then exact to ~1e-12
+    _, s, vh = torch.linalg.svd(x, full_matrices=False)
+    if explained_variance is not None:
+        rank = choose_rank(s, explained_variance)
+    elif rank is None:
+        rank = k
+    v_r = vh[:rank].T
+    projected = (x @ v_r) @ v_r.T
+    p0 = projected.mean(0)
+    specific = projected - p0
+    energy = s**2
+    settings = {
+        "rank": rank, "explained_variance": explained_variance, "contrastive_weight": contrastive_weight,
+        "contrastive_steps": contrastive_steps, "contrastive_temperature": contrastive_temperature, "lr": lr,
+        "singular_values": [float(v) for v in s],
+        "explained_variance_kept": float(energy[:rank].sum() / energy.sum().clamp_min(1e-300)),
+    }
+    p0 = p0.float().reshape(length, dim)
+    specific = specific.float().reshape(k, length, dim)
+    target = projected.float().reshape(k, length, dim)
+    if k == 1:
+        # One source: S_1 = 0 and there is nothing to contrast it with; refinement would only move P_0.
+        settings["contrastive_skipped"] = "single source"
+    elif contrastive_weight > 0 and contrastive_steps > 0:
+        p0, specific, diag = _refine(p0, specific, target, contrastive_weight, contrastive_steps,
+                                     contrastive_temperature, lr)
+        settings.update(diag)
+    return Decomposition(p0=p0.contiguous(), specific=specific.contiguous(), source_names=names, rank=rank,
+                         settings=settings)
+
+
+def _refine(p0, specific, target, weight, steps, temperature, lr):
+    """Adam on ``||P_0 + S_k - Xr_k||^2 / scale + w * InfoNCE``; returns the refined tensors and diagnostics."""
+    scale = target.pow(2).mean().clamp_min(1e-12)
+    rms = scale.sqrt()
+    positives = specific.clone()
+    # Optimise in units of the prompts' RMS so that lr means the same for any embedding scale.
+    p0_v = (p0 / rms).clone().requires_grad_(True)
+    s_v = (specific / rms).clone().requires_grad_(True)
+    opt = torch.optim.Adam([p0_v, s_v], lr=lr)
+    with torch.no_grad():
+        start_nce = float(decomposition_infonce(p0, specific, positives, temperature))
+    for _ in range(steps):
+        opt.zero_grad()
+        recon = ((p0_v.unsqueeze(0) + s_v) - target / rms).pow(2).mean()
+        nce = decomposition_infonce(p0_v, s_v, positives, temperature)
+        loss = recon + weight * nce
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"decomposition refinement produced a non-finite loss ({loss.item()})")
+        loss.backward()
+        opt.step()
+    p0_out, s_out = (p0_v.detach() * rms), (s_v.detach() * rms)
+    with torch.no_grad():
+        rel_err = float(((p0_out.unsqueeze(0) + s_out) - target).pow(2).mean() / scale)
+        end_nce = float(decomposition_infonce(p0_out, s_out, positives, temperature))
+    return p0_out, s_out, {"infonce_start": start_nce, "infonce_end": end_nce, "relative_reconstruction_error": rel_err}
+
+
+def atomic_write(path: str, write) -> None:
+    """Calls ``write(tmp)`` on a temporary file beside ``path``, then renames it onto ``path`` (atomic).
+
+    Args:
+        path: Destination file.
+        write: Function writing the content to the path it is given.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def save_decomposition(dec: Decomposition, directory: str) -> None:
+    """Writes ``decomposition.safetensors`` and ``decomposition.json`` into ``directory`` (atomically per file).
+
+    Args:
+        dec: The decomposition.
+        directory: Target directory (created if missing).
+    """
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    tensors = {"p0": dec.p0.contiguous().cpu(), "specific": dec.specific.contiguous().cpu()}
+    meta = {
+        "format_version": FORMAT_VERSION, "num_sources": dec.num_sources, "num_virtual_tokens": dec.p0.shape[0],
+        "token_dim": dec.p0.shape[1], "source_names": dec.source_names, "rank": dec.rank, "settings": dec.settings,
+    }
+    # Tensors first, metadata last: a reader that finds the json finds matching tensors.
+    atomic_write(os.path.join(directory, TENSORS_FILE), lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+
+    def write_meta(path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(meta, f, indent=2)
+
+    atomic_write(os.path.join(directory, META_FILE), write_meta)
+
+
+def load_decomposition(directory: str) -> Decomposition:
+    """Reads a decomposition written by :func:`save_decomposition`.
+
+    Args:
+        directory: The directory.
+
+    Raises:
+        FileNotFoundError: If a file is missing.
+        ValueError: If the files are foreign or inconsistent.
+    """
+    from safetensors.torch import load_file
+
+    meta_path, tensor_path = os.path.join(directory, META_FILE), os.path.join(directory, TENSORS_FILE)
+    for p in (meta_path, tensor_path):
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"{p} not found: {directory} is not a PCT decomposition directory")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        tensors = load_file(tensor_path)
+    except Exception as err:  # json, OS and safetensors' own header errors all mean the same to the caller
+        raise ValueError(f"corrupt PCT decomposition in {directory}: {err}") from err
+    if meta.get("format_version") != FORMAT_VERSION or set(tensors) != {"p0", "specific"}:
+        raise ValueError(f"{directory} does not hold a PCT decomposition (format {meta.get('format_version')!r}, "
+                         f"tensors {sorted(tensors)})")
+    p0, specific = tensors["p0"], tensors["specific"]
+    expected = (meta["num_sources"], meta["num_virtual_tokens"], meta["token_dim"])
+    if tuple(specific.shape) != expected or tuple(p0.shape) != expected[1:]:
+        raise ValueError(f"decomposition tensors in {directory} have shapes p0 {tuple(p0.shape)}, specific "
+                         f"{tuple(specific.shape)}; the json says K, l, d = {expected}")
+    return Decomposition(p0=p0, specific=specific, source_names=list(meta["source_names"]), rank=meta["rank"],
+                         settings=meta.get("settings", {}))
