@@ -255,9 +255,38 @@ class PeftModule(L.LightningModule):
             # on_before_optimizer_step then drops the (zero) gradients so that no update happens.
             return sum((p * 0.0).sum() for p in self.model.parameters() if p.requires_grad)
         self.log("train_loss", loss.detach(), prog_bar=True)
+        loss = self._add_adapter_auxiliary_loss(loss)
         if self.task == "seq_cls":
             acc = (output.logits.detach().argmax(-1) == batch["labels"]).float().mean()
             self.log("train_acc", acc)
+        return loss
+
+    def _active_prompt_encoder(self) -> torch.nn.Module | None:
+        encoders = getattr(self.model, "prompt_encoder", None)
+        name = getattr(self.model, "active_adapter", None)
+        if encoders is None or not isinstance(name, str) or name not in encoders:
+            return None
+        return encoders[name]
+
+    def _add_adapter_auxiliary_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Adds an adapter's own training objective (e.g. PCT's contrastive term) and logs its metrics.
+
+        Duck-typed, so the trainer needs no import of the method package: a prompt encoder may define
+        ``auxiliary_loss() -> Tensor`` and ``training_metrics() -> dict[str, float]``.
+
+        Args:
+            loss: The task loss of the step.
+        """
+        encoder = self._active_prompt_encoder()
+        if encoder is None:
+            return loss
+        if hasattr(encoder, "training_metrics"):
+            self.log_dict(encoder.training_metrics())
+        if hasattr(encoder, "auxiliary_loss"):
+            aux = encoder.auxiliary_loss()
+            if aux is not None:
+                self.log("aux_loss", aux.detach())
+                loss = loss + aux
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -23,12 +23,9 @@ from prompt_transfer.model import PCTFusion, PCTPromptEncoder
 
 
 def _register():
-    from peftplug import registry
+    from peftplug.registry import register_prompt_learning_method
 
-    register = getattr(registry, "register_prompt_learning_method", None)
-    if register is None:  # until the registry provides it (see prompt_transfer/_peft_patch.py)
-        from prompt_transfer._peft_patch import register_prompt_learning_method as register
-    return register("pct", PCTConfig, PCTPromptEncoder, prefix="pct_")
+    return register_prompt_learning_method("pct", PCTConfig, PCTPromptEncoder, prefix="pct_")
 
 
 PEFT_TYPE = _register()

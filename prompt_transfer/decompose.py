@@ -21,12 +21,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from peftplug.fileio import atomic_write
 
 TENSORS_FILE = "decomposition.safetensors"
 META_FILE = "decomposition.json"
@@ -235,25 +236,6 @@ def _refine(p0, specific, target, weight, steps, temperature, lr):
         rel_err = float(((p0_out.unsqueeze(0) + s_out) - target).pow(2).mean() / scale)
         end_nce = float(decomposition_infonce(p0_out, s_out, positives, temperature))
     return p0_out, s_out, {"infonce_start": start_nce, "infonce_end": end_nce, "relative_reconstruction_error": rel_err}
-
-
-def atomic_write(path: str, write) -> None:
-    """Calls ``write(tmp)`` on a temporary file beside ``path``, then renames it onto ``path`` (atomic).
-
-    Args:
-        path: Destination file.
-        write: Function writing the content to the path it is given.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def save_decomposition(dec: Decomposition, directory: str) -> None:

@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from prompt_transfer.decompose import atomic_write
+from peftplug.fileio import atomic_write
 
 PCT_STATE_DIR = "pct_state"
 

@@ -9,6 +9,7 @@ prompt computed from the trainable parameters: every path sees the same differen
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -146,6 +147,13 @@ class PCTPromptEncoder(BasePromptEncoder):
     def attention_weights(self) -> torch.Tensor:
         """Attention over the sources (detached), ``[K]``."""
         return self.embedding.attention().detach()
+
+    def training_metrics(self) -> dict[str, float]:
+        """Scalars a trainer logs each step: ``pct/attn/<source>`` and ``pct/attn_entropy``."""
+        attn = [float(w) for w in self.attention_weights()]
+        out = {f"pct/attn/{name}": w for name, w in zip(self.source_names, attn)}
+        out["pct/attn_entropy"] = -sum(w * math.log(max(w, 1e-12)) for w in attn)
+        return out
 
     def auxiliary_loss(self) -> torch.Tensor:
         """``contrastive_weight *`` InfoNCE keeping the target-specific part away from ``P_0``.

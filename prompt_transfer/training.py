@@ -2,14 +2,14 @@
 
 Scope: single process, plain AdamW, a fixed number of steps over pre-built batches. It exists so the stages
 and the benchmark run in-process on CPU; full runs with checkpoints, loggers and recipes go through
-``peftplug.lightning`` (whose training step should add :func:`auxiliary_loss` and log :func:`pct_metrics`).
+``peftplug.lightning`` (whose training step adds the encoder's ``auxiliary_loss()`` and logs its
+``training_metrics()``, as this loop does).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -57,12 +57,10 @@ def pct_metrics(model, adapter_name: str | None = None) -> dict[str, float]:
         model: A ``PeftModel``.
         adapter_name: Adapter to read (default: the active one).
     """
-    attn = attention_weights(model, adapter_name)
-    if not attn:
+    enc = _encoder(model, adapter_name)
+    if enc is None or not hasattr(enc, "training_metrics"):
         return {}
-    out = {f"pct/attn/{k}": v for k, v in attn.items()}
-    out["pct/attn_entropy"] = -sum(w * math.log(max(w, 1e-12)) for w in attn.values())
-    return out
+    return enc.training_metrics()
 
 
 def train_prompt(

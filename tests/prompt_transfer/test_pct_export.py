@@ -161,6 +161,20 @@ def test_pct_through_peftplug_lightning_module(tiny_model, tokenizer, tmp_path):
     assert module.model.peft_config["default"].task_type == "CAUSAL_LM"  # filled in by the trainer
     module(**batch).loss.backward()
     assert module.model.prompt_encoder["default"].embedding.query.grad is not None
+    # One real training step: the trainer adds the encoder's auxiliary (contrastive) loss and logs the attention.
+    import lightning as L
+
+    encoder = module.model.prompt_encoder["default"]
+    aux_before = encoder.auxiliary_loss().item()
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    loader = torch.utils.data.DataLoader([dict(batch)], batch_size=None)  # one pre-built batch
+    trainer.fit(module, train_dataloaders=loader)
+    metrics = trainer.callback_metrics
+    assert aux_before > 0 and metrics["aux_loss"].item() == pytest.approx(aux_before, rel=1e-5)
+    attn = [v.item() for k, v in metrics.items() if k.startswith("pct/attn/")]
+    assert len(attn) == 2 and sum(attn) == pytest.approx(1.0, abs=1e-5)
+    module.model.train()
     module.model.eval()
     with torch.no_grad():
         live = module.model(**batch).logits
