@@ -1,0 +1,217 @@
+"""The steering tuner layer: wraps one decoder block and edits the hidden state it returns."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
+from torch import nn
+
+from steering.config import SteeringConfig
+from steering.positions import SteeringContext
+
+_EPS = 1e-12
+
+
+def _get_submodule(module: nn.Module, path: str | None) -> nn.Module | None:
+    if not path:
+        return None
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+class SteeringLayer(nn.Module, BaseTunerLayer):
+    """A decoder block with steering vectors applied to its output hidden state.
+
+    Each adapter owns one trainable vector ``steer_vector[adapter]`` of shape ``[hidden_size]`` (a normal PEFT
+    parameter, so optimizers and Lightning train it like any adapter weight) and its operator, position policy
+    and multiplier. Several active adapters are applied one after another; for ``"add"`` they add up.
+
+    Args:
+        base_layer: The decoder block being wrapped.
+        adapter_name: Name of the first adapter.
+        layer_index: 0-based index of the block.
+        context: The model's shared :class:`~steering.positions.SteeringContext`.
+        config: The adapter's :class:`~steering.config.SteeringConfig`.
+        hidden_size: Residual-stream width.
+        bias_proj: Path (inside the block) of the projection ``merge`` folds ``"add"`` vectors into.
+    """
+
+    adapter_layer_names = ("steer_vector",)
+    other_param_names = ("steer_multiplier", "steer_operator", "steer_positions", "steer_normalize")
+
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        adapter_name: str,
+        layer_index: int,
+        context: SteeringContext,
+        config: SteeringConfig,
+        hidden_size: int,
+        bias_proj: str | None = None,
+    ):
+        super().__init__()
+        self.base_layer = base_layer
+        self.layer_index = layer_index
+        self.hidden_size = hidden_size
+        self.bias_proj = bias_proj
+        # A plain attribute (not a submodule): the context is shared by all layers of the model.
+        self.steer_context = context
+        self.steer_vector = nn.ParameterDict({})
+        self.steer_multiplier: dict[str, float] = {}
+        self.steer_operator: dict[str, str] = {}
+        self.steer_positions: dict[str, str] = {}
+        self.steer_normalize: dict[str, bool] = {}
+        self._disable_adapters = False
+        self.merged_adapters: list[str] = []
+        self._created_bias = False
+        self._scaled_cache: dict[str, tuple] = {}
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, config)
+
+    def update_layer(self, adapter_name: str, config: SteeringConfig) -> None:
+        """Adds (or re-configures) ``adapter_name`` on this block; the vector starts at zero.
+
+        Args:
+            adapter_name: Adapter name.
+            config: Its configuration.
+        """
+        if adapter_name not in self.steer_vector:
+            ref = next(self.base_layer.parameters(), None)
+            device = ref.device if ref is not None else None
+            self.steer_vector[adapter_name] = nn.Parameter(torch.zeros(self.hidden_size, device=device))
+        self.steer_multiplier[adapter_name] = config.layer_multiplier(self.layer_index)
+        self.steer_operator[adapter_name] = config.operator
+        self.steer_positions[adapter_name] = config.positions
+        self.steer_normalize[adapter_name] = bool(config.normalize)
+        self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
+
+    def set_vector(self, adapter_name: str, vector: torch.Tensor) -> None:
+        """Copies ``vector`` into the adapter's parameter (shape ``[hidden_size]``).
+
+        Args:
+            adapter_name: Adapter name.
+            vector: The steering vector.
+        """
+        vector = torch.as_tensor(vector).detach().reshape(-1)
+        if vector.numel() != self.hidden_size:
+            raise ValueError(
+                f"steering vector for layer {self.layer_index} has {vector.numel()} entries, but the model's "
+                f"hidden size is {self.hidden_size}"
+            )
+        param = self.steer_vector[adapter_name]
+        with torch.no_grad():
+            param.copy_(vector.to(device=param.device, dtype=param.dtype))
+
+    def _effective_vector(self, adapter_name: str, dtype: torch.dtype) -> torch.Tensor:
+        v = self.steer_vector[adapter_name]
+        if self.steer_normalize[adapter_name]:
+            v = v / v.norm().clamp_min(_EPS)
+        return v.to(dtype)
+
+    def _scaled_vector(self, adapter_name: str, dtype: torch.dtype, multiplier: float) -> torch.Tensor:
+        """``multiplier * v`` in ``dtype``; cached while no gradient is recorded (keyed on the parameter version)."""
+        param = self.steer_vector[adapter_name]
+        if torch.is_grad_enabled() and param.requires_grad:
+            return self._effective_vector(adapter_name, dtype) * multiplier
+        key = (adapter_name, dtype, multiplier, param._version, param.data_ptr(), self.steer_normalize[adapter_name])
+        cached = self._scaled_cache.get(adapter_name)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, self._effective_vector(adapter_name, dtype) * multiplier)
+            self._scaled_cache[adapter_name] = cached
+        return cached[1]
+
+    def steer(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Applies every active adapter of this block to ``hidden`` (``[batch, seq, hidden]``).
+
+        Args:
+            hidden: The block's output hidden state.
+        """
+        for name in self.active_adapters:
+            if name not in self.steer_vector or name in self.merged_adapters:
+                continue
+            m = self.steer_multiplier[name]
+            op = self.steer_operator[name]
+            mask = self.steer_context.mask(self.steer_positions[name], hidden.dtype)
+            if op == "add":
+                # Cheapest form on the decoding hot path: a cached scaled vector and one fused (masked) add.
+                delta = self._scaled_vector(name, hidden.dtype, m)
+                hidden = hidden + delta if mask is None else torch.addcmul(hidden, mask, delta)
+                continue
+            v = self._effective_vector(name, hidden.dtype)
+            unit = v / v.norm().clamp_min(_EPS)
+            proj = (hidden @ unit)[..., None] * unit
+            delta = -m * proj if op == "ablate" else m * v - proj
+            hidden = hidden + (delta if mask is None else mask * delta)
+        return hidden
+
+    def forward(self, *args, **kwargs):
+        out = self.base_layer(*args, **kwargs)
+        if self.disable_adapters or not self.active_adapters:
+            return out
+        if isinstance(out, tuple):
+            return (self.steer(out[0]),) + tuple(out[1:])
+        return self.steer(out)
+
+    # ------------------------------------------------------------------------------------------ merging
+    def _bias_module(self) -> nn.Module:
+        proj = _get_submodule(self.base_layer, self.bias_proj)
+        if proj is None or not hasattr(proj, "weight"):
+            raise ValueError(
+                f"cannot merge a steering vector into block {self.layer_index}: no residual output projection "
+                f"{self.bias_proj!r} is known for it (steering.families.register_family(..., bias_proj=...))"
+            )
+        return proj
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """Folds ``"add"`` vectors with ``positions="all"`` into the bias of the block's output projection.
+
+        The result differs from the unmerged adapter only at padding positions (which the adapter leaves
+        alone and the merged bias does not), and padding never influences real tokens.
+
+        Args:
+            safe_merge: Check the merged bias for non-finite values first.
+            adapter_names: Adapters to merge (default: the active ones).
+        """
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        if not adapter_names:
+            return
+        proj = self._bias_module()
+        for name in adapter_names:
+            if self.steer_operator[name] != "add" or self.steer_positions[name] != "all":
+                raise ValueError(
+                    f"adapter {name!r} uses operator={self.steer_operator[name]!r}, "
+                    f"positions={self.steer_positions[name]!r}: only operator='add' with positions='all' is a "
+                    "constant shift that can be merged into the weights"
+                )
+            delta = (self.steer_multiplier[name] * self._effective_vector(name, torch.float32)).detach()
+            if safe_merge and not torch.isfinite(delta).all():
+                raise ValueError(f"adapter {name!r} has non-finite values; refusing to merge")
+            if proj.bias is None:
+                proj.bias = nn.Parameter(torch.zeros(self.hidden_size, device=delta.device, dtype=proj.weight.dtype))
+                self._created_bias = True
+            with torch.no_grad():
+                proj.bias.add_(delta.to(proj.bias.dtype))
+            self.merged_adapters.append(name)
+
+    def unmerge(self) -> None:
+        """Subtracts merged vectors from the bias again."""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+            return
+        proj = self._bias_module()
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            delta = self.steer_multiplier[name] * self._effective_vector(name, torch.float32).detach()
+            with torch.no_grad():
+                proj.bias.sub_(delta.to(proj.bias.dtype))
+        if self._created_bias:
+            proj.bias = None
+            self._created_bias = False
+
+    def __repr__(self) -> str:
+        return "steering." + super().__repr__()

@@ -1,0 +1,314 @@
+"""The steering tuner: wraps decoder blocks with :class:`~steering.layer.SteeringLayer` (PEFT ``BaseTuner``)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+import warnings
+from typing import ClassVar
+
+import torch
+from peft.tuners.tuners_utils import BaseTuner
+from torch import nn
+
+from steering.config import SteeringConfig
+from steering.families import FAMILIES, find_blocks, hidden_size_of
+from steering.layer import SteeringLayer
+from steering.merge import COMBINATIONS, merge_vectors
+from steering.positions import SteeringContext
+
+
+class SteeringModel(BaseTuner):
+    """PEFT tuner for steering vectors: ``peft.get_peft_model(model, SteeringConfig(layers=[...]))``.
+
+    Beyond the usual PEFT API it offers :meth:`set_vectors`, :meth:`get_vectors`, :meth:`set_multiplier`,
+    :meth:`add_weighted_adapter` (linear / TIES / DARE merge into a new adapter), ``set_adapter([...])`` with
+    several names (their vectors add up), and a ``generate`` that tells the layers where the prompt ends.
+
+    Args:
+        model: The transformers model to steer.
+        config: A :class:`SteeringConfig` (or dict of them).
+        adapter_name: Name of the first adapter.
+        low_cpu_mem_usage: Accepted for API compatibility (vectors are tiny).
+        state_dict: Accepted for API compatibility.
+    """
+
+    prefix: str = "steer_"
+    tuner_layer_cls = SteeringLayer
+    target_module_mapping: ClassVar[dict] = {}
+
+    def __init__(self, model, config, adapter_name="default", low_cpu_mem_usage: bool = False, state_dict=None):
+        # The context must exist before BaseTuner.__init__ injects the first adapter.
+        self.__dict__["steer_context"] = SteeringContext()
+        super().__init__(model, config, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
+
+    # ------------------------------------------------------------------------------------------ injection
+    def _blocks(self, config: SteeringConfig) -> tuple[str, nn.ModuleList]:
+        return find_blocks(self.model, config.blocks_path)
+
+    def _prepare_adapter_config(self, peft_config: SteeringConfig, model_config: dict) -> SteeringConfig:
+        path, blocks = self._blocks(peft_config)
+        bad = [i for i in peft_config.layers if i >= len(blocks)]
+        if bad:
+            raise ValueError(
+                f"SteeringConfig.layers {bad} out of range: the model has {len(blocks)} decoder blocks "
+                f"(valid indices 0..{len(blocks) - 1})"
+            )
+        hidden = hidden_size_of(self.model)
+        if peft_config.hidden_size is not None and hidden is not None and peft_config.hidden_size != hidden:
+            raise ValueError(
+                f"steering adapter was made for hidden size {peft_config.hidden_size} "
+                f"(model_type {peft_config.model_type!r}), but this model's hidden size is {hidden} "
+                f"(model_type {model_config.get('model_type')!r}); steering vectors cannot be applied across "
+                "hidden sizes"
+            )
+        model_type = model_config.get("model_type")
+        if peft_config.model_type is not None and model_type is not None and peft_config.model_type != model_type:
+            warnings.warn(
+                f"steering adapter was extracted from a {peft_config.model_type!r} model and is applied to a "
+                f"{model_type!r} model of the same hidden size; the directions may not transfer"
+            )
+        peft_config.hidden_size = peft_config.hidden_size or hidden
+        peft_config.model_type = peft_config.model_type or model_type
+        # Exact names of the steered blocks, as a regex so that PEFT matches the full key only.
+        names = "|".join(str(i) for i in peft_config.layers)
+        peft_config.target_modules = rf"^{re.escape(path)}\.({names})$" if path else rf"^({names})$"
+        return peft_config
+
+    def _create_and_replace(
+        self, peft_config, adapter_name, target, target_name, parent, current_key, parameter_name=None, **kwargs
+    ):
+        layer_index = int(current_key.rsplit(".", 1)[-1])
+        if isinstance(target, SteeringLayer):
+            target.update_layer(adapter_name, peft_config)
+            return
+        hidden = peft_config.hidden_size or hidden_size_of(self.model)
+        family = FAMILIES.get(peft_config.model_type)
+        new = SteeringLayer(
+            target, adapter_name, layer_index, self.steer_context, peft_config, hidden,
+            bias_proj=family.bias_proj if family else None,
+        )
+        if adapter_name not in self.active_adapters:
+            new.requires_grad_(False)
+        self._replace_module(parent, target_name, new, target)
+
+    def _replace_module(self, parent, child_name, new_module, child) -> None:
+        setattr(parent, child_name, new_module)
+        if not hasattr(new_module, "base_layer"):
+            return
+        # Keep the block's own parameters on their device; put the vectors there too.
+        ref = next(child.parameters(), None)
+        if ref is not None:
+            for name, module in new_module.named_modules():
+                if self.prefix in name:
+                    module.to(ref.device)
+
+    def _post_injection_hook(self, model: nn.Module, config: SteeringConfig, adapter_name: str) -> None:
+        path, _ = self._blocks(config)
+        owner = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
+        self.steer_context.install(owner)
+
+    def _unload_and_optionally_merge(self, *args, **kwargs):
+        model = super()._unload_and_optionally_merge(*args, **kwargs)
+        # The returned model is plain again: its forward must not keep paying for (or using) our bookkeeping.
+        self.steer_context.uninstall()
+        return model
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        """Deletes an adapter; with the last one gone, the position bookkeeping is removed too.
+
+        Args:
+            adapter_name: Adapter to delete.
+        """
+        super().delete_adapter(adapter_name)
+        if not self.peft_config:
+            self.steer_context.uninstall()
+
+    def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
+        for name, param in model.named_parameters():
+            if self.prefix not in name:
+                param.requires_grad = False
+
+    def _check_new_adapter_config(self, config: SteeringConfig) -> None:
+        """Several steering adapters may coexist (they are meant to be combined)."""
+
+    def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
+        """Vectors stay in fp32 and are cast to the hidden-state dtype on the fly."""
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def steering_layers(self, adapter_name: str | None = None) -> dict[int, SteeringLayer]:
+        """The steering layers, by block index (only those holding ``adapter_name`` when given).
+
+        Args:
+            adapter_name: Restrict to the layers of this adapter.
+        """
+        out = {}
+        for module in self.model.modules():
+            if isinstance(module, SteeringLayer) and (adapter_name is None or adapter_name in module.steer_vector):
+                out[module.layer_index] = module
+        return dict(sorted(out.items()))
+
+    def _require(self, adapter_name: str) -> SteeringConfig:
+        if adapter_name not in self.peft_config:
+            raise ValueError(f"no steering adapter {adapter_name!r}; have {sorted(self.peft_config)}")
+        return self.peft_config[adapter_name]
+
+    def set_vectors(self, vectors: dict[int, torch.Tensor], adapter_name: str = "default") -> None:
+        """Sets the vectors of ``adapter_name`` from ``{layer: tensor}``.
+
+        Args:
+            vectors: One ``[hidden_size]`` tensor per steered layer (keys must be the adapter's layers).
+            adapter_name: Adapter name.
+        """
+        config = self._require(adapter_name)
+        layers = self.steering_layers(adapter_name)
+        unknown = sorted({int(k) for k in vectors} - set(layers))
+        if unknown:
+            raise ValueError(f"adapter {adapter_name!r} steers layers {config.layers}, got vectors for {unknown}")
+        for layer, vector in vectors.items():
+            layers[int(layer)].set_vector(adapter_name, vector)
+
+    def get_vectors(self, adapter_name: str = "default") -> dict[int, torch.Tensor]:
+        """The raw (unscaled) vectors of ``adapter_name`` as ``{layer: tensor}`` (detached copies).
+
+        Args:
+            adapter_name: Adapter name.
+        """
+        self._require(adapter_name)
+        return {i: m.steer_vector[adapter_name].detach().clone() for i, m in self.steering_layers(adapter_name).items()}
+
+    def set_multiplier(
+        self, multiplier: float, adapter_name: str | None = None, layer_multipliers: dict | None = None
+    ) -> None:
+        """Changes the steering strength (kept in the config, so ``save_pretrained`` records it).
+
+        Args:
+            multiplier: New global multiplier.
+            adapter_name: Adapter to change (default: every active adapter).
+            layer_multipliers: New per-layer factors (``None`` keeps the current ones).
+        """
+        names = [adapter_name] if adapter_name is not None else list(self.active_adapters)
+        for name in names:
+            config = self._require(name)
+            config.multiplier = float(multiplier)
+            if layer_multipliers is not None:
+                config.layer_multipliers = layer_multipliers
+            config.__post_init__()
+            for layer in self.steering_layers(name).values():
+                layer.steer_multiplier[name] = config.layer_multiplier(layer.layer_index)
+
+    def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
+        """Activates one adapter or several (several steering adapters add up).
+
+        Args:
+            adapter_name: Name or list of names.
+            inference_mode: Freeze the activated vectors.
+        """
+        names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
+        for name in names:
+            self._require(name)
+        for module in self.model.modules():
+            if isinstance(module, SteeringLayer):
+                module.set_adapter(names, inference_mode=inference_mode)
+        self.active_adapter = names[0] if len(names) == 1 else names
+
+    @contextlib.contextmanager
+    def prompt_length(self, length: int):
+        """Declares the prompt length for plain forwards (e.g. to score a continuation as if generated).
+
+        Args:
+            length: Number of prompt tokens (padded width).
+        """
+        with self.steer_context.prompt_length(length):
+            yield
+
+    def generate(self, *args, **kwargs):
+        """``model.generate`` with the prompt length made known to the position policies."""
+        ref = kwargs.get("input_ids")
+        if ref is None and args and torch.is_tensor(args[0]):
+            ref = args[0]
+        if ref is None:
+            ref = kwargs.get("inputs_embeds")
+        if ref is None:
+            return self.model.generate(*args, **kwargs)
+        with self.steer_context.prompt_length(ref.shape[1]):
+            return self.model.generate(*args, **kwargs)
+
+    # ------------------------------------------------------------------------------------------ merging
+    def add_weighted_adapter(
+        self,
+        adapters: list[str],
+        weights: list[float],
+        adapter_name: str,
+        combination_type: str = "linear",
+        density: float = 1.0,
+        majority_sign_method: str = "total",
+        seed: int = 0,
+    ) -> None:
+        """Merges several steering adapters into a new one (EasyEdit2's vector merge, PEFT's API).
+
+        Each adapter contributes its *effective* vectors (multiplier and normalisation folded in); the new
+        adapter has multiplier 1 and steers the union of the layers (missing layers count as zero vectors).
+
+        Args:
+            adapters: Names of the adapters to merge (all with operator ``"add"`` and the same positions).
+            weights: One weight per adapter.
+            adapter_name: Name of the new adapter.
+            combination_type: One of ``steering.merge.COMBINATIONS``.
+            density: Fraction of entries kept by TIES/DARE pruning, in (0, 1].
+            majority_sign_method: ``"total"`` or ``"frequency"`` (TIES sign election).
+            seed: Seed of DARE's random drop.
+        """
+        if combination_type not in COMBINATIONS:
+            raise ValueError(f"combination_type must be one of {COMBINATIONS}, got {combination_type!r}")
+        if not adapters or len(adapters) != len(weights):
+            raise ValueError(f"need one weight per adapter, got {len(adapters)} adapters and {len(weights)} weights")
+        if adapter_name in self.peft_config:
+            raise ValueError(f"adapter {adapter_name!r} already exists")
+        configs = [self._require(a) for a in adapters]
+        for a, c in zip(adapters, configs):
+            if c.operator != "add":
+                raise ValueError(f"only operator='add' adapters can be merged; {a!r} uses {c.operator!r}")
+        if len({c.positions for c in configs}) != 1:
+            raise ValueError(f"adapters to merge use different position policies: {[c.positions for c in configs]}")
+        layers = sorted(set().union(*(c.layers for c in configs)))
+        merged: dict[int, torch.Tensor] = {}
+        for layer in layers:
+            tensors = []
+            for a, c in zip(adapters, configs):
+                module = self.steering_layers(a).get(layer)
+                if module is None:
+                    tensors.append(torch.zeros(c.hidden_size))
+                else:
+                    v = module._effective_vector(a, torch.float32).detach().cpu()
+                    tensors.append(module.steer_multiplier[a] * v)
+            merged[layer] = merge_vectors(tensors, weights, combination_type, density, majority_sign_method, seed)
+        new_config = copy.deepcopy(configs[0])
+        new_config.layers = layers
+        new_config.multiplier = 1.0
+        new_config.layer_multipliers = None
+        new_config.normalize = False
+        new_config.method = f"merge:{combination_type}({','.join(adapters)})"
+        new_config.target_modules = None
+        new_config.__post_init__()
+        self.peft_config[adapter_name] = new_config
+        self.inject_adapter(self.model, adapter_name)
+        self.set_vectors(merged, adapter_name)
+        # inject_adapter may have flipped requires_grad; keep the active adapters as they were.
+        self.set_adapter(self.active_adapters)
+
+
+def steering_model_of(model) -> SteeringModel:
+    """The :class:`SteeringModel` inside a ``PeftModel`` (or the argument itself).
+
+    Args:
+        model: A ``PeftModel`` wrapping a steering adapter, or a ``SteeringModel``.
+    """
+    if isinstance(model, SteeringModel):
+        return model
+    base = getattr(model, "base_model", None)
+    if isinstance(base, SteeringModel):
+        return base
+    raise TypeError(f"expected a PeftModel with a steering adapter, got {type(model).__name__}")
+
