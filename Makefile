@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= demo,dev,triton,bench
+EXTRAS ?= demo,dev,triton,bench,gguf
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.peftplug-installed
 

