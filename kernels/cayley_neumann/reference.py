@@ -6,7 +6,9 @@ Conventions (row vectors, ``x' = x R``):
     ``"cayley_neumann"`` (Taylor form): R ≈ I + 2 Σ_{k=1..n-1} Qᵏ, the Taylor series of the exact map
         truncated after ``n - 1`` powers; error O(‖Q‖ⁿ).
     ``"peft_cn"`` (PEFT's product form): R ≈ (I + Q)(I + Q + … + Q^{n-2}) = I + 2Q + … + 2Q^{n-2} + Q^{n-1};
-        same cost, error O(‖Q‖^{n-1}). Identical to ``peft.tuners.oft`` with ``num_cayley_neumann_terms=n``.
+        same cost, error O(‖Q‖^{n-1}). Identical to ``peft.tuners.oft`` with ``num_cayley_neumann_terms=n`` for
+        n >= 4; PEFT 0.21 computes I + 2Q for n = 2 and the n = 4 polynomial for n = 3 (``oftv2.interop``
+        maps those cases).
 Both series converge only for ‖Q‖₂ < 1.
 """
 
