@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             result = importlib.import_module(f"benchmarks.{name}").main(["--quick"] if args.quick else [])
             if isinstance(result, int) and result != 0:
                 failed.append(name)
-        except Exception:  # one broken benchmark must not hide the others' results
+        except Exception:  # noqa: BLE001 - one broken benchmark must not hide the others' results
             traceback.print_exc()
             failed.append(name)
         print(f"=== benchmarks.{name}: {time.perf_counter() - start:.0f} s", flush=True)
