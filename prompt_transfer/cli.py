@@ -1,18 +1,136 @@
-"""Command line for the stages that need no base model: decomposition and file-to-file export.
+"""Command line for PCT's stages: training the source prompts, decomposition and file-to-file export.
 
+    python -m prompt_transfer.cli train-sources --config recipes/prompt_transfer/minilm_sources.yaml
     python -m prompt_transfer.cli decompose runs/src_sst2/adapter runs/src_bbc/adapter --names SST-2 bbc \\
         --out runs/pct/decomposition --explained-variance 0.95
     python -m prompt_transfer.cli export runs/pct_target/adapter runs/pct_target/prompt_tuning
 
-Training (source prompts, the PCT target) goes through ``peftplug fit`` with the recipes in
-``recipes/prompt_transfer/`` or through :func:`prompt_transfer.train_prompt` in Python.
+``train-sources`` trains one PEFT prompt-tuning adapter per source task of a multi-source recipe, in sequence,
+each through ``peftplug``'s Lightning trainer (:class:`peftplug.lightning.PeftModule`, parsed and checked exactly
+like a ``peftplug fit`` recipe), and optionally decomposes them at the end. The PCT target stage goes through
+``peftplug fit`` with ``recipes/prompt_transfer/minilm_target_rte_pct.yaml`` or through
+:func:`prompt_transfer.train_prompt` in Python.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from collections.abc import Mapping
+
+
+def load_recipe(path: str) -> dict:
+    """Reads a multi-source recipe YAML.
+
+    Args:
+        path: The YAML file.
+
+    Raises:
+        ValueError: If the file is missing or is not a YAML mapping.
+    """
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ValueError(f"--config: recipe file {path!r} does not exist")
+    with open(path) as f:
+        recipe = yaml.safe_load(f)
+    if not isinstance(recipe, Mapping):
+        kind = type(recipe).__name__
+        raise ValueError(f"{path}: a multi-source recipe must be a YAML mapping, got {kind}")  # noqa: TRY004
+    return dict(recipe)
+
+
+def source_cli(config: Mapping, run: bool = False):
+    """Builds one source's run with peftplug's LightningCLI, from its ``peftplug fit`` config.
+
+    The config is written to ``<trainer.default_root_dir>/source_config.yaml`` first (``peftplug fit --config``
+    on that file reproduces this source alone) and parsed from there, so every key is checked as in
+    ``peftplug fit``. ``peftplug.cli`` is imported here, lazily: the trainer depends on the method packages,
+    never the other way round.
+
+    Args:
+        config: The dict from :func:`prompt_transfer.source.source_run_config`.
+        run: Passed to ``peftplug.cli.cli`` (``False``: build model, data module and trainer, run nothing).
+    """
+    import yaml
+
+    from peftplug.cli import cli
+    from peftplug.fileio import atomic_write_text
+
+    root = config["trainer"]["default_root_dir"]
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, "source_config.yaml")
+    header = "# One source of a multi-source recipe (python -m prompt_transfer.cli train-sources).\n"
+    atomic_write_text(path, header + yaml.safe_dump(dict(config), sort_keys=False))
+    return cli(["--config", path], run=run)
+
+
+def train_sources(recipe: Mapping, out_dir: str | None = None, decompose: bool = True) -> dict:
+    """Trains every source of a multi-source recipe in sequence and saves each as a PEFT prompt-tuning adapter.
+
+    For source ``k`` the shared ``trainer``/``model`` sections are merged with its overrides, seeded with
+    ``seed_everything + k``, built by peftplug's LightningCLI (:class:`peftplug.lightning.PeftModule` + a Lightning
+    ``Trainer``), fitted, optionally tested (``evaluate_after_fit``), and exported with ``PeftModule.export`` to
+    ``<out_dir>/<name>/`` (``adapter_config.json`` with ``PROMPT_TUNING``, ``adapter_model.safetensors``, the
+    tokenizer), atomically. A summary goes to ``<out_dir>/sources.json``.
+
+    Args:
+        recipe: A multi-source recipe (validated here with :func:`prompt_transfer.source.validate_sources_recipe`).
+        out_dir: Overrides the recipe's ``out_dir``.
+        decompose: Run the recipe's ``decompose`` section, if any, after the last source.
+
+    Returns:
+        ``{"sources": {name: {"adapter", "global_step", "prompt_change", ["test_acc"]}}, ["decomposition"]}``.
+        ``prompt_change`` is the largest absolute change of a prompt entry during training (0 means the prompt
+        did not train).
+    """
+    import torch
+
+    import prompt_transfer as pt
+    from peftplug.fileio import atomic_write_text
+    from prompt_transfer.source import source_run_config, validate_sources_recipe
+
+    recipe = dict(recipe)
+    if out_dir is not None:
+        recipe["out_dir"] = out_dir
+    recipe = validate_sources_recipe(recipe)
+    out = recipe["out_dir"]
+    log_root = recipe["trainer"].get("default_root_dir") or os.path.join("runs", "pct_sources")
+    summary: dict = {"sources": {}}
+    for k, source in enumerate(recipe["sources"]):
+        name = source["name"]
+        run = source_cli(source_run_config(recipe, k, log_root))
+        module, trainer = run.model, run.trainer
+        encoders = getattr(module.model, "prompt_encoder", None)
+        if encoders is None or module.peft_config.peft_type.value != "PROMPT_TUNING":
+            raise ValueError(f"model.peft must be a PROMPT_TUNING config for the source stage, got "
+                             f"{module.peft_config.peft_type.value}")
+        weight = encoders[module.model.active_adapter].embedding.weight
+        before = weight.detach().clone()
+        trainer.fit(module, datamodule=run.datamodule)
+        result = {"global_step": int(trainer.global_step),
+                  "prompt_change": float((weight.detach() - before).abs().max())}
+        if not torch.isfinite(weight).all():
+            raise ValueError(f"source {name!r}: the trained prompt is not finite; lower the learning rate")
+        if recipe.get("evaluate_after_fit"):
+            metrics = trainer.test(module, datamodule=run.datamodule, verbose=False)
+            if metrics and "test_acc" in metrics[0]:
+                result["test_acc"] = float(metrics[0]["test_acc"])
+        result["adapter"] = str(module.export(os.path.join(out, name), overwrite=True))
+        summary["sources"][name] = result
+        print(json.dumps({"source": name, **result}), flush=True)
+        del run, module, trainer  # one base model in memory at a time
+    dec_settings = recipe.get("decompose")
+    if decompose and dec_settings:
+        prompts = {n: pt.load_source_prompt(r["adapter"]) for n, r in summary["sources"].items()}
+        kwargs = {k: v for k, v in dec_settings.items() if k != "out" and v is not None}
+        dec = pt.decompose(prompts, **kwargs)
+        pt.save_decomposition(dec, dec_settings["out"])
+        summary["decomposition"] = {"out": dec_settings["out"], "rank": dec.rank}
+    atomic_write_text(os.path.join(out, "sources.json"), json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m prompt_transfer.cli", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train-sources", help="train one PEFT prompt-tuning adapter per source task of a recipe")
+    t.add_argument("--config", required=True,
+                   help="multi-source recipe, e.g. recipes/prompt_transfer/minilm_sources.yaml")
+    t.add_argument("--out-dir", help="overrides the recipe's out_dir")
+    t.add_argument("--no-decompose", action="store_true", help="skip the recipe's decompose section")
     d = sub.add_parser("decompose", help="SVD + contrastive decomposition of saved source prompt adapters")
     d.add_argument("adapters", nargs="+", help="PEFT prompt-tuning adapter directories, one per source task")
     d.add_argument("--names", nargs="+", help="source task names (default: the directory names)")
@@ -39,7 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("out")
     args = parser.parse_args(argv)
 
-    if args.command == "decompose":
+    if args.command == "train-sources":
+        from prompt_transfer.source import validate_sources_recipe
+
+        try:  # a bad recipe is a usage error: one line and exit status 2, before any model loads
+            recipe = load_recipe(args.config)
+            validate_sources_recipe({**recipe, **({"out_dir": args.out_dir} if args.out_dir else {})})
+        except ValueError as err:
+            parser.error(str(err))
+        summary = train_sources(recipe, out_dir=args.out_dir, decompose=not args.no_decompose)
+        print(json.dumps(summary))
+    elif args.command == "decompose":
         import os
 
         names = args.names or [os.path.basename(os.path.normpath(p)) for p in args.adapters]

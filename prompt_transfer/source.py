@@ -134,3 +134,121 @@ def spot_select(target_prompt: torch.Tensor, source_prompts: Mapping[str, torch.
             raise ValueError(f"source prompt {name!r} has width {p.shape[-1]}, target {target_prompt.shape[-1]}")
         sims[name] = float(torch.nn.functional.cosine_similarity(t, embed(p), dim=0))
     return max(sims, key=sims.get), sims
+
+
+# ---------------------------------------------------------------- multi-source recipes (``train-sources``)
+RECIPE_KEYS = ("out_dir", "seed_everything", "evaluate_after_fit", "trainer", "model", "sources", "decompose")
+SOURCE_KEYS = ("name", "data", "model", "trainer")
+DECOMPOSE_KEYS = ("out", "rank", "explained_variance", "contrastive_weight", "contrastive_steps")
+
+
+def _require_mapping(value, field_name: str) -> dict:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{field_name} must be a mapping, got {type(value).__name__}")  # noqa: TRY004
+    return dict(value)
+
+
+def _reject_unknown(mapping: Mapping, accepted: tuple[str, ...], field_name: str) -> None:
+    unknown = sorted(set(mapping) - set(accepted))
+    if unknown:
+        raise ValueError(f"{field_name}: unknown key(s) {unknown}; accepted: {list(accepted)}")
+
+
+def validate_sources_recipe(recipe: Mapping, check_files: bool = True) -> dict:
+    """Checks a multi-source recipe (the input of ``python -m prompt_transfer.cli train-sources``).
+
+    A recipe holds the ``peftplug fit`` sections shared by every source (``seed_everything``, ``trainer``,
+    ``model``), a list ``sources`` (each: ``name``, ``data`` as in a ``peftplug fit`` recipe, optional ``model`` /
+    ``trainer`` overrides such as ``num_labels``), ``out_dir`` (adapters go to ``<out_dir>/<name>/``) and an
+    optional ``decompose`` section (``out`` plus :func:`prompt_transfer.decompose` arguments).
+
+    Args:
+        recipe: The parsed YAML.
+        check_files: Check that every ``data.init_args.*_file`` exists (relative paths are relative to the working
+            directory, as in ``peftplug fit``).
+
+    Returns:
+        The recipe as plain dicts, with defaults filled in (``seed_everything`` 0, ``trainer``/``model`` ``{}``).
+
+    Raises:
+        ValueError: Naming the offending field (``sources[1].data.init_args.train_file``) and what is accepted.
+    """
+    recipe = _require_mapping(recipe, "recipe")
+    _reject_unknown(recipe, RECIPE_KEYS, "recipe")
+    out_dir = recipe.get("out_dir")
+    if not isinstance(out_dir, str) or not out_dir.strip():
+        raise ValueError("out_dir must be a non-empty path: adapters are written to <out_dir>/<source name>/")
+    seed = recipe.setdefault("seed_everything", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed_everything must be an integer (source k uses seed + k), got {seed!r}")  # noqa: TRY004
+    for key in ("trainer", "model"):
+        recipe[key] = _require_mapping(recipe.get(key) or {}, key)
+    if not recipe["model"].get("peft"):
+        raise ValueError("model.peft must be set (e.g. class_path: peft.PromptTuningConfig): it is shared by all "
+                         "sources so that their prompts have one shape and can be decomposed together")
+    sources = recipe.get("sources")
+    if not isinstance(sources, list) or not sources:
+        raise ValueError("sources must be a non-empty list of {name, data[, model, trainer]} entries")
+    seen: dict[str, int] = {}
+    checked = []
+    for i, source in enumerate(sources):
+        where = f"sources[{i}]"
+        source = _require_mapping(source, where)
+        _reject_unknown(source, SOURCE_KEYS, where)
+        name = source.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"{where}.name must be a non-empty string")
+        # The name becomes a directory under out_dir: keep it one plain path component.
+        if name in (".", "..") or "/" in name or "\\" in name or name.startswith("."):
+            raise ValueError(f"{where}.name {name!r} must be usable as a directory name (no '/', no leading '.')")
+        if name in seen:
+            raise ValueError(f"{where}.name {name!r} duplicates sources[{seen[name]}].name; names must be unique")
+        seen[name] = i
+        data = _require_mapping(source.get("data"), f"{where}.data")
+        if not isinstance(data.get("class_path"), str):
+            raise ValueError(f"{where}.data.class_path must name a LightningDataModule "  # noqa: TRY004
+                             "(e.g. peftplug.data.TextClassificationData)")
+        init_args = _require_mapping(data.get("init_args") or {}, f"{where}.data.init_args")
+        if check_files:
+            for key, value in init_args.items():
+                if key.endswith("_file") and value is not None and not os.path.isfile(str(value)):
+                    raise ValueError(f"{where}.data.init_args.{key}: file {value!r} does not exist "
+                                     f"(relative to {os.getcwd()})")
+        for key in ("model", "trainer"):
+            source[key] = _require_mapping(source.get(key) or {}, f"{where}.{key}")
+        if "peft" in source["model"]:
+            raise ValueError(f"{where}.model.peft cannot be overridden: the prompt config is shared so that the "
+                             "source prompts stack into one decomposition")
+        checked.append(source)
+    recipe["sources"] = checked
+    if recipe.get("decompose") is not None:
+        dec = _require_mapping(recipe["decompose"], "decompose")
+        _reject_unknown(dec, DECOMPOSE_KEYS, "decompose")
+        if not isinstance(dec.get("out"), str) or not dec["out"].strip():
+            raise ValueError("decompose.out must be a non-empty path for the decomposition directory")
+        if dec.get("rank") is not None and dec.get("explained_variance") is not None:
+            raise ValueError("decompose: give rank or explained_variance, not both")
+        if dec.get("rank") is not None and not 1 <= int(dec["rank"]) <= len(checked):
+            raise ValueError(f"decompose.rank must be in [1, {len(checked)}] (the number of sources), "
+                             f"got {dec['rank']}")
+        recipe["decompose"] = dec
+    return recipe
+
+
+def source_run_config(recipe: Mapping, index: int, log_root: str) -> dict:
+    """The ``peftplug fit`` config (as a dict) of source ``index`` of a validated multi-source recipe.
+
+    Args:
+        recipe: Output of :func:`validate_sources_recipe`.
+        index: Which source.
+        log_root: Trainer logs/checkpoints of the source go to ``<log_root>/<name>``.
+    """
+    source = recipe["sources"][index]
+    config = {
+        "seed_everything": recipe["seed_everything"] + index,  # distinct prompt inits across sources
+        "trainer": {**recipe["trainer"], **source["trainer"], "default_root_dir": os.path.join(log_root,
+                                                                                                source["name"])},
+        "model": {**recipe["model"], **source["model"]},
+        "data": source["data"],
+    }
+    return config
