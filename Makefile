@@ -6,7 +6,7 @@ EXTRAS ?= demo,dev,triton,bench,gguf
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.peftplug-installed
 
-.PHONY: install quickstart test bench gpu-dry-run lint clean
+.PHONY: install quickstart test test-slow bench gpu-dry-run lint clean
 
 install: $(STAMP)
 
@@ -25,6 +25,10 @@ quickstart: install
 
 test: install
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest -q tests
+
+# Tests marked slow (long multi-process runs) are left out of `make test`/CI; run them here.
+test-slow: install
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest -q -m slow tests
 
 bench: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.run_all

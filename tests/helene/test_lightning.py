@@ -120,7 +120,6 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.mark.slow  # two spawned Lightning processes: ~1 min on idle cores, several when shared
 def test_ddp_two_processes_equal_one_process_over_the_global_batch(tiny_model, tmp_path, run_fresh):
     """One process trained on the concatenation of the two ranks' batches (as Lightning's distributed sampler
     dealt them) takes the same steps: the closure's all-reduced loss is the global-batch mean."""
