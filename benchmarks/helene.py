@@ -8,7 +8,10 @@ Settings (all on all-MiniLM-L6-v2 with a fresh classification head, classificati
   cheap enough on 2 CPU cores for the thousands of steps zeroth-order methods need;
 - ``top``: full finetuning of the last transformer block + pooler + classifier (1.9M parameters), the lower
   five blocks frozen and cached, the last block evaluated for the [CLS] query only (exact, checked);
-- ``lora``: PEFT LoRA (r=8) on every linear layer of the last block + the classifier.
+- ``lora``: PEFT LoRA (r=8) on every linear layer of the last block + the classifier;
+- ``full``: true full finetuning, every parameter (22.7M, embeddings included) trainable, the whole Hugging Face
+  forward each step. ~1 s per step on one core, so it runs only with ``--only full`` (a short budget, MeZO /
+  HELENE / ZO-Adam / AdamW) and its section is merged into the existing page; a later full regeneration keeps it.
 
 Reported: steps to reach MeZO's final training loss, test accuracy after the fixed step budget, extra memory
 over plain inference, wall time per step. Writes ``docs/benchmarks/helene.md`` and ``helene_*.png``.
@@ -46,6 +49,15 @@ GRIDS = {
         "ZO-Adam": [{"lr": lr, "eps": 1e-3} for lr in (3e-5, 1e-4)],
         "AdamW": [{"lr": lr} for lr in (1e-4, 3e-4)],
     },
+    # Full finetuning (22.7M parameters, ~1 s/step): the top setting's grids for MeZO and HELENE (a 12-step probe
+    # put 3× larger — MeZO 1e-2, HELENE 3e-3 — past the divergence edge); ZO-Adam's shifted up one point (3e-5 did
+    # not move in the probe); AdamW only at the lr selected on top.
+    "full": {
+        "MeZO": [{"lr": lr, "eps": 1e-3} for lr in (1e-3, 3e-3)],
+        "HELENE": [{"lr": lr, "eps": 1e-3, "lam": 1.0} for lr in (3e-4, 1e-3)],
+        "ZO-Adam": [{"lr": lr, "eps": 1e-3} for lr in (1e-4, 3e-4)],
+        "AdamW": [{"lr": 3e-4}],
+    },
     "lora": {
         "MeZO": [{"lr": lr, "eps": 1e-3} for lr in (3e-3, 1e-2)],
         "HELENE": [{"lr": lr, "eps": 1e-3, "lam": 1.0} for lr in (1e-3, 3e-3)],
@@ -53,8 +65,10 @@ GRIDS = {
         "AdamW": [{"lr": lr} for lr in (1e-3, 3e-3)],
     },
 }
-for _grid in GRIDS.values():
-    _grid["HELENE-curv"] = _grid["HELENE"]
+for _key, _grid in GRIDS.items():
+    if _key != "full":  # full: the four optimizers of the issue only (CPU budget)
+        _grid["HELENE-curv"] = _grid["HELENE"]
+FULL_OPTIMIZERS = ("MeZO", "HELENE", "ZO-Adam", "AdamW")
 # HELENE's switches, each changed alone from the selected HELENE configuration.
 ABLATIONS = {
     "paper (agnb, layer clip, anneal)": {},
@@ -108,6 +122,37 @@ def top_problem(model, task: data.Task, caches: dict, batch: int, setting: str) 
         sum(p.numel() for p in model.parameters()))
 
 
+def full_problem(model, tokenizer, task: data.Task, batch: int, test_len: int = 32) -> runs.Problem:
+    """The ``full`` setting: every parameter trainable, the whole Hugging Face forward.
+
+    Texts are tokenized once (padded to the token budget); each batch is cut to its longest text, which gives the
+    same logits as padding to the budget (padding is masked) at a fraction of the cost.
+
+    Args:
+        model: ``BertForSequenceClassification`` (all of it is trained).
+        tokenizer: Its tokenizer.
+        task: The task.
+        batch: Minibatch size.
+        test_len: Token budget of the test texts (the other settings' cached test prefixes use 32).
+    """
+    model.requires_grad_(True)
+    enc = {"train": tokenizer(task.train[0], padding="max_length", truncation=True, max_length=task.max_len,
+                              return_tensors="pt"),
+           "test": tokenizer(task.test[0], padding="max_length", truncation=True, max_length=test_len,
+                             return_tensors="pt")}
+
+    def forward(split, idx):
+        ids, mask = enc[split]["input_ids"][idx], enc[split]["attention_mask"][idx]
+        length = int(mask.sum(1).max())
+        return model(input_ids=ids[:, :length], attention_mask=mask[:, :length]).logits
+
+    n = len(task.train[1])
+    return runs.Problem(
+        f"full / {task.name}", "full", model, forward, torch.tensor(task.train[1]), torch.tensor(task.test[1]),
+        batch, torch.arange(n) if n <= 64 else torch.randperm(n, generator=torch.Generator().manual_seed(0))[:64],
+        sum(p.numel() for p in model.parameters()))
+
+
 def summarize(problem: runs.Problem, best: dict[str, dict], all_runs: dict[str, list], infer_s: float) -> dict:
     """Table rows for one problem: the metrics of each optimizer's selected configuration."""
     mezo = best["MeZO"]
@@ -134,10 +179,11 @@ def summarize(problem: runs.Problem, best: dict[str, dict], all_runs: dict[str, 
                 "sweep": [(n, r["hp"], r["final_loss"], r["acc"]) for n, rs in all_runs.items() for r in rs]}
 
 
-def bench_problem(problem: runs.Problem, grids: dict, steps: int, eval_every: int, log) -> dict:
-    """Sweeps every optimizer on one problem and summarizes."""
+def bench_problem(problem: runs.Problem, grids: dict, steps: int, eval_every: int, log,
+                  names=runs.OPTIMIZERS) -> dict:
+    """Sweeps every optimizer in ``names`` on one problem and summarizes."""
     best, all_runs = {}, {}
-    for name in runs.OPTIMIZERS:
+    for name in names:
         t0 = time.time()
         b, rs = runs.sweep(problem, name, grids[name], steps, eval_every)
         best[name], all_runs[name] = b, rs
@@ -162,6 +208,9 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", default="13,21,42", help="SST-2 k=16 seeds (all five: 13,21,42,87,100)")
     ap.add_argument("--head-steps", type=int, default=None)
     ap.add_argument("--top-steps", type=int, default=None)
+    ap.add_argument("--only", choices=["full"], default=None,
+                    help="run only the full-finetuning setting and merge its section into the existing --out page")
+    ap.add_argument("--full-steps", type=int, default=None, help="steps of the full setting (default 80)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -177,6 +226,9 @@ def main(argv=None) -> None:
         lines.append(msg)
 
     quick = args.quick
+    if args.only == "full":
+        run_full(data_dir, Path(args.out), args, started, log, lines)
+        return
     head_steps = args.head_steps or (300 if quick else 1000)
     top_steps = args.top_steps or (40 if quick else 150)
     seeds = [42] if quick else [int(s) for s in args.seeds.split(",")]
@@ -274,6 +326,25 @@ def main(argv=None) -> None:
                               "median_head_step_ms": statistics.median(r["step_ms"] for r in results[0]["rows"])}
     write_report(Path(args.out), results, extras, GRIDS, lines)
     log(f"wrote {args.out} ({time.time() - started:.0f}s)")
+
+
+def run_full(data_dir: Path, out: Path, args, started: float, log, lines: list[str]) -> None:
+    """The ``full`` setting alone (SST-2 k=16 seed 42); merges its section into ``out``."""
+    from benchmarks.helene_report import merge_full_section
+
+    steps = args.full_steps or (20 if args.quick else 80)
+    grids = GRIDS["full"] if not args.quick else {k: v[-1:] for k, v in GRIDS["full"].items()}
+    task = data.sst2_task(data_dir, 16, 42, 200 if args.quick else 400)
+    model, tok = data.load_minilm(2)
+    problem = full_problem(model, tok, task, 16)
+    summary = bench_problem(problem, grids, steps, max(1, steps // 10), log, FULL_OPTIMIZERS)
+    command = "python -m benchmarks.helene --only full" + (" --quick" if args.quick else "") + (
+        f" --full-steps {args.full_steps}" if args.full_steps else "")
+    settings = {"command": command, "steps": steps, "batch": 16, "n_test": len(task.test[1]),
+                "threads": args.threads, "elapsed_s": time.time() - started,
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    merge_full_section(out, summary, settings, lines)
+    log(f"merged the full section into {out} ({time.time() - started:.0f}s)")
 
 
 if __name__ == "__main__":

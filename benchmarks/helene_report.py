@@ -53,6 +53,66 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+FULL_BEGIN = "<!-- full-setting: begin (written by `python -m benchmarks.helene --only full`) -->"
+FULL_END = "<!-- full-setting: end -->"
+
+
+def _table_md(res: dict) -> list[str]:
+    """The heading, parameter line and metrics table of one problem."""
+    if res["mezo_target"] is None:
+        target = "not below its initial loss (no steps-to-MeZO target)"
+    else:
+        target = f"{res['mezo_target']:.4f} (first reached at step {res['mezo_steps']})"
+    md = [f"## {res['problem']}", "",
+          f"trainable {res['trainable']:,} of {res['total']:,} parameters; MeZO final training loss {target}", "",
+          ("| optimizer | selected | final train loss | test acc | steps to MeZO | speed-up vs MeZO | "
+           "ms/step | step / forward | mem ×inference | extra / trainable |"),
+          "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        md.append(f"| {r['optimizer']} | {_hp(r['hp'])} | {_fmt(r['final_loss'], '.4f')} | {r['acc']:.3f} | "
+                  f"{_fmt(r['steps_to_mezo'], 'd', 'never')} | {_fmt(r['speedup'], '.1f')}× | "
+                  f"{r['step_ms']:.1f} | {r['step_vs_forward']:.1f} | {r['mem_ratio']:.3f} | "
+                  f"{r['extra_vs_trainable']:.2f} |")
+    md.append("")
+    return md
+
+
+def merge_full_section(out: Path, res: dict, settings: dict, log_lines: list[str]) -> None:
+    """Writes (or replaces) the full-finetuning section of an existing report, and its loss-curve plot.
+
+    The section goes after the last per-problem table (before the seed summary), between
+    :data:`FULL_BEGIN`/:data:`FULL_END` markers, so :func:`write_report` keeps it when the rest is regenerated.
+
+    Args:
+        out: The markdown report (created with just this section if absent).
+        res: Summary of the ``full`` problem from ``benchmarks.helene.summarize``.
+        settings: ``command``, ``steps``, ``batch``, ``n_test``, ``threads``, ``elapsed_s``, ``date``.
+        log_lines: That run's log.
+    """
+    out = Path(out)
+    _plot(out.parent / "helene_full.png", [(res["problem"], res["curves"])])
+    md = [FULL_BEGIN] + _table_md(res)
+    md[1] += " (full finetuning)"
+    md += [(f"Produced by a separate run, `{settings['command']}` ({settings['date']}, {settings['elapsed_s']:.0f} s"
+            f", {settings['threads']} thread, shared cores), not by the run that wrote the rest of this page: every "
+            f"parameter of all-MiniLM-L6-v2 (embeddings included) + the fresh head trainable, the whole Hugging Face "
+            f"forward per step (each batch cut to its longest text, ≤ 32 tokens as everywhere on this page), "
+            f"{settings['steps']} steps, batch {settings['batch']}, {settings['n_test']} test examples; MeZO, HELENE, "
+            f"ZO-Adam, AdamW only. Sweep (final training loss / test acc): "
+            + "; ".join(f"{n} ({_hp(hp)}) {_fmt(fl, '.4f')}/{acc:.3f}" for n, hp, fl, acc in res["sweep"]) + "."),
+           "", "![full finetuning](helene_full.png)", "", "<details><summary>log of that run</summary>", "",
+           "```"] + log_lines + ["```", "", "</details>", FULL_END]
+    block = "\n".join(md)
+    text = out.read_text(encoding="utf-8") if out.exists() else ""
+    if FULL_BEGIN in text and FULL_END in text:
+        text = text[:text.index(FULL_BEGIN)] + block + text[text.index(FULL_END) + len(FULL_END):]
+    else:
+        anchors = [a for a in ("## SST-2 k=16, head setting, across seeds", "## Loss curves") if a in text]
+        cut = text.index(anchors[0]) if anchors else len(text)
+        text = text[:cut] + block + "\n\n" + text[cut:]
+    _atomic_write(out, text)
+
+
 def write_report(out: Path, results: list[dict], extras: dict, grids: dict, log_lines: list[str]) -> None:
     """Writes the markdown report and its plots.
 
@@ -72,7 +132,8 @@ def write_report(out: Path, results: list[dict], extras: dict, grids: dict, log_
           "classifier on cached frozen-encoder features; **top** = full finetuning of the last transformer "
           "block + pooler + classifier (lower 5 blocks frozen and cached; last block evaluated for [CLS] only — "
           f"exact, max |Δlogit| vs the Hugging Face forward = {extras['check']:.1e}); **lora** = PEFT LoRA r=8 on "
-          "every linear layer of the last block + classifier."), "",
+          "every linear layer of the last block + classifier; **full** = every parameter trainable (its section "
+          "comes from a separate, shorter run: `--only full`)."), "",
           (f"Budget: {st['head_steps']} steps (head), {st['top_steps']} steps (top, lora); batch {st['batch']}; "
           f"{st['n_test']} test examples (SST-2: fixed subset of GLUE dev); {st['threads']} threads on shared CPU "
           f"cores (other jobs running: absolute times are noisy, compare within a row block). "
@@ -86,18 +147,11 @@ def write_report(out: Path, results: list[dict], extras: dict, grids: dict, log_
           "+ autograd-saved activations, or for ZO the one fp32 z temporary) / all parameters, counted in tensor "
           "bytes; *extra / trainable* = that extra over the trainable parameters' bytes (target ≤ 2)."), ""]
     for res in results:
-        md += [f"## {res['problem']}", "",
-               (f"trainable {res['trainable']:,} of {res['total']:,} parameters; MeZO final training loss "
-               f"{res['mezo_target']:.4f} (first reached at step {res['mezo_steps']})"), "",
-               ("| optimizer | selected | final train loss | test acc | steps to MeZO | speed-up vs MeZO | "
-               "ms/step | step / forward | mem ×inference | extra / trainable |"),
-               "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in res["rows"]:
-            md.append(f"| {r['optimizer']} | {_hp(r['hp'])} | {_fmt(r['final_loss'], '.4f')} | {r['acc']:.3f} | "
-                      f"{_fmt(r['steps_to_mezo'], 'd', 'never')} | {_fmt(r['speedup'], '.1f')}× | "
-                      f"{r['step_ms']:.1f} | {r['step_vs_forward']:.1f} | {r['mem_ratio']:.3f} | "
-                      f"{r['extra_vs_trainable']:.2f} |")
-        md.append("")
+        md += _table_md(res)
+    # The full-finetuning section comes from a separate run (`--only full`); keep it across regenerations.
+    previous = out.read_text(encoding="utf-8") if out.exists() else ""
+    if FULL_BEGIN in previous and FULL_END in previous:
+        md += [previous[previous.index(FULL_BEGIN):previous.index(FULL_END) + len(FULL_END)], ""]
     # Seed summary for SST-2 k=16.
     k16 = [r for r in results if r["setting"] == "head" and "k=16" in r["problem"]]
     if len(k16) > 1:

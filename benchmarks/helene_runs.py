@@ -190,8 +190,10 @@ def inference_time(problem: Problem, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def steps_to_reach(curve: list[tuple[int, float]], target: float) -> int | None:
-    """First measured step whose training loss is <= target (None if never)."""
+def steps_to_reach(curve: list[tuple[int, float]], target: float | None) -> int | None:
+    """First measured step whose training loss is <= target (None if never, or if there is no target)."""
+    if target is None:
+        return None
     return next((s for s, v in curve if v <= target), None)
 
 
