@@ -9,7 +9,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
 from steering.config import SteeringConfig
-from steering.positions import SteeringContext
+from steering.positions import NOTHING, SteeringContext
 
 _EPS = 1e-12
 
@@ -68,7 +68,7 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
         self._disable_adapters = False
         self.merged_adapters: list[str] = []
         self._created_bias = False
-        self._scaled_cache: dict[str, tuple] = {}
+        self._plan: tuple | None = None  # see _add_plan
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config)
 
@@ -112,18 +112,42 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
             v = v / v.norm().clamp_min(_EPS)
         return v.to(dtype)
 
-    def _scaled_vector(self, adapter_name: str, dtype: torch.dtype, multiplier: float) -> torch.Tensor:
-        """``multiplier * v`` in ``dtype``; cached while no gradient is recorded (keyed on the parameter version)."""
-        param = self.steer_vector[adapter_name]
-        if torch.is_grad_enabled() and param.requires_grad:
-            return self._effective_vector(adapter_name, dtype) * multiplier
-        key = (adapter_name, dtype, multiplier, param._version, param.data_ptr(), self.steer_normalize[adapter_name])
-        cached = self._scaled_cache.get(adapter_name)
-        if cached is None or cached[0] != key:
+    def _add_plan(self, dtype: torch.dtype) -> list | None:
+        """Per active ``"add"`` adapter ``(policy, multiplier * v)``, or ``None`` when another operator is active.
+
+        Built once and reused across decoding steps (no gradient is recorded then): the per-step work is then
+        one (masked) add per adapter. The plan is checked against everything it was built from on each call,
+        with plain dict/attribute reads only, so changing a vector, multiplier, policy or the active adapters
+        invalidates it.
+        """
+        active = self._active_adapter
+        if active.__class__ is not str:
+            active = tuple(active)
+        plan = self._plan
+        if plan is not None and plan[0] == active and plan[1] == dtype and plan[2] == len(self.merged_adapters):
+            params = plan[5]  # the ParameterDict's own dict (a module attribute lookup costs more than the add)
+            for name, param, version, ptr, m, policy, normalize, _ in plan[3]:
+                if (params.get(name) is not param or param._version != version or param.data_ptr() != ptr
+                        or self.steer_multiplier.get(name) != m or self.steer_positions.get(name) != policy
+                        or self.steer_normalize.get(name) != normalize or self.steer_operator.get(name) != "add"):
+                    break
+            else:
+                return plan[4]
+        entries = []
+        for name in self.active_adapters:
+            if name not in self.steer_vector or name in self.merged_adapters:
+                continue
+            if self.steer_operator[name] != "add":
+                self._plan = None
+                return None
+            param, m = self.steer_vector[name], self.steer_multiplier[name]
             with torch.no_grad():
-                cached = (key, self._effective_vector(adapter_name, dtype) * multiplier)
-            self._scaled_cache[adapter_name] = cached
-        return cached[1]
+                delta = self._effective_vector(name, dtype) * m
+            entries.append((name, param, param._version, param.data_ptr(), m, self.steer_positions[name],
+                            self.steer_normalize[name], delta))
+        steps = [(e[5], e[7]) for e in entries]
+        self._plan = (active, dtype, len(self.merged_adapters), entries, steps, self.steer_vector._parameters)
+        return steps
 
     def steer(self, hidden: torch.Tensor) -> torch.Tensor:
         """Applies every active adapter of this block to ``hidden`` (``[batch, seq, hidden]``).
@@ -131,15 +155,28 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
         Args:
             hidden: The block's output hidden state.
         """
+        context = self.steer_context
+        if not torch.is_grad_enabled():
+            # Decoding hot path: a cached scaled vector and one fused (masked) add per adapter.
+            plan = self._add_plan(hidden.dtype)
+            if plan is not None:
+                for policy, delta in plan:
+                    mask = context.mask(policy, hidden.dtype)
+                    if mask is None:
+                        hidden = hidden + delta
+                    elif mask is not NOTHING:
+                        hidden = torch.addcmul(hidden, mask, delta)
+                return hidden
         for name in self.active_adapters:
             if name not in self.steer_vector or name in self.merged_adapters:
                 continue
+            mask = context.mask(self.steer_positions[name], hidden.dtype)
+            if mask is NOTHING:
+                continue
             m = self.steer_multiplier[name]
             op = self.steer_operator[name]
-            mask = self.steer_context.mask(self.steer_positions[name], hidden.dtype)
             if op == "add":
-                # Cheapest form on the decoding hot path: a cached scaled vector and one fused (masked) add.
-                delta = self._scaled_vector(name, hidden.dtype, m)
+                delta = self._effective_vector(name, hidden.dtype) * m
                 hidden = hidden + delta if mask is None else torch.addcmul(hidden, mask, delta)
                 continue
             v = self._effective_vector(name, hidden.dtype)
@@ -151,7 +188,7 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
 
     def forward(self, *args, **kwargs):
         out = self.base_layer(*args, **kwargs)
-        if self.disable_adapters or not self.active_adapters:
+        if self._disable_adapters:
             return out
         if isinstance(out, tuple):
             return (self.steer(out[0]),) + tuple(out[1:])

@@ -232,7 +232,7 @@ class SteeringModel(BaseTuner):
             ref = kwargs.get("inputs_embeds")
         if ref is None:
             return self.model.generate(*args, **kwargs)
-        with self.steer_context.prompt_length(ref.shape[1]):
+        with self.steer_context.prompt_length(ref.shape[1], generating=True):
             return self.model.generate(*args, **kwargs)
 
     # ------------------------------------------------------------------------------------------ merging

@@ -20,6 +20,9 @@ import inspect
 
 import torch
 
+# Returned by SteeringContext.mask when a policy selects no token of the current chunk.
+NOTHING = False
+
 # Names under which transformers passes the KV cache / the explicit cache positions to a base model.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
 
@@ -104,15 +107,17 @@ class SteeringContext:
 
     # ------------------------------------------------------------------------------------------- state
     @contextlib.contextmanager
-    def prompt_length(self, length: int):
+    def prompt_length(self, length: int, generating: bool = False):
         """Declares the prompt length for the forwards inside the block (``generate`` uses this).
 
         Args:
             length: Number of prompt tokens (the padded prompt width for a batch).
+            generating: The forwards are ``generate``'s: every token after the prompt is then a real token
+                (``generate`` extends the attention mask with ones), so those chunks need no padding mask.
         """
         if int(length) < 0:
             raise ValueError(f"prompt length must be >= 0, got {length}")
-        self._explicit_prompt_len.append(int(length))
+        self._explicit_prompt_len.append((int(length), bool(generating)))
         try:
             yield
         finally:
@@ -135,23 +140,25 @@ class SteeringContext:
         self._past, self._length, self._device, self._batch = past, length, device, batch
         self.positions = None
         mask2d = attention_mask if (attention_mask is not None and attention_mask.dim() == 2) else None
-        chunk = None
-        if mask2d is not None:
-            if mask2d.shape[1] >= past + length:
-                chunk = mask2d[:, past:past + length]
-            elif mask2d.shape[1] == length:
-                chunk = mask2d
-        self.chunk_mask = chunk
-        self.active = True
-
+        generating = False
         if self._explicit_prompt_len:
-            prompt_len = self._explicit_prompt_len[-1]
+            prompt_len, generating = self._explicit_prompt_len[-1]
         elif past == 0:
             prompt_len = length
             self._auto_prompt_len = length
         else:
             prompt_len = self._auto_prompt_len if self._auto_prompt_len is not None else past
         self.prompt_len = prompt_len
+        chunk = None
+        # A chunk of generated tokens inside ``generate`` has no padding (``generate`` extends the attention mask
+        # with ones), so it needs no padding mask: "all" is then a plain add on the decoding hot path.
+        if mask2d is not None and not (generating and past >= prompt_len):
+            if mask2d.shape[1] >= past + length:
+                chunk = mask2d[:, past:past + length]
+            elif mask2d.shape[1] == length:
+                chunk = mask2d
+        self.chunk_mask = chunk
+        self.active = True
         # The last real prompt token per row is only needed by "from_last_prompt": computed lazily.
         self._mask2d = mask2d
         self._fresh = past == 0 and not self._explicit_prompt_len
@@ -177,8 +184,22 @@ class SteeringContext:
             self._auto_last_prompt = last
         return last
 
+    def _whole_chunk(self, policy: str) -> bool | None:
+        """``True``/``False`` when ``policy`` selects every / no token of this chunk by position, else ``None``."""
+        start, end, prompt_len = self._past, self._past + self._length, self.prompt_len
+        if policy == "generated":
+            return True if start >= prompt_len else (False if end <= prompt_len else None)
+        if policy == "prompt":
+            return True if end <= prompt_len else (False if start >= prompt_len else None)
+        if policy == "from_last_prompt":
+            # The last real prompt token is at most prompt_len - 1, so a chunk past the prompt is all selected.
+            return True if start >= prompt_len else None
+        return None
+
     def mask(self, policy: str, dtype: torch.dtype) -> torch.Tensor | None:
-        """The ``[batch, length, 1]`` 0/1 mask of positions steered under ``policy`` (``None`` = all).
+        """The ``[batch, length, 1]`` 0/1 mask of positions steered under ``policy``.
+
+        ``None`` means every position, :data:`NOTHING` no position (the layer then skips the adapter).
 
         Args:
             policy: One of ``steering.config.POSITIONS``.
@@ -192,6 +213,10 @@ class SteeringContext:
             out = None
         elif policy == "all":
             out = None if self.chunk_mask is None else self.chunk_mask.to(device=self._device, dtype=dtype)[..., None]
+        elif (span := self._whole_chunk(policy)) is not None:
+            # The whole chunk is on one side of the prompt boundary (every KV-cache decoding step is): the policy
+            # reduces to "all" or to "nothing", without building a position mask each step.
+            out = self.mask("all", dtype) if span else NOTHING
         else:
             if self.positions is None:
                 self.positions = torch.arange(self._past, self._past + self._length, device=self._device)

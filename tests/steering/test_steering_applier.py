@@ -201,3 +201,80 @@ def test_invalid_config_values_are_rejected(tiny_model):
         peft.get_peft_model(tiny_model("llama"), SteeringConfig(layers=[5]))
     with pytest.raises(ValueError, match="hidden size"):
         peft.get_peft_model(tiny_model("llama"), SteeringConfig(layers=[0], hidden_size=32))
+
+
+def test_cached_decoding_plan_follows_every_change(tiny_model, tokenizer):
+    """The no-grad fast path caches multiplier * v; every way of changing what it was built from must show."""
+    pm = _steered(tiny_model("llama"), layers=(0,), scale=1.0)
+    layer = pm.base_model.steering_layers()[0]
+    seen = {}
+    hooks = [layer.base_layer.register_forward_hook(lambda m, a, out: seen.__setitem__("base", out)),
+             layer.register_forward_hook(lambda m, a, out: seen.__setitem__("steered", out))]
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    real = batch["attention_mask"].bool()
+
+    def delta():
+        with torch.no_grad():
+            pm(**batch)
+        d = seen["steered"] - seen["base"]
+        assert d[~real].abs().max() == 0  # padding is never steered
+        return d[real]
+
+    def expect(vector):
+        torch.testing.assert_close(delta(), vector.expand(int(real.sum()), -1), rtol=0, atol=1e-6)
+
+    try:
+        v = pm.base_model.get_vectors()[0]
+        expect(v)
+        expect(v)  # served from the plan
+        pm.base_model.set_multiplier(-2.5)
+        expect(-2.5 * v)
+        w = torch.randn(v.shape[0])
+        pm.base_model.set_vectors({0: w})
+        expect(-2.5 * w)
+        with torch.no_grad():
+            layer.steer_vector["default"].mul_(2.0)  # in-place edit, as an optimizer step would do
+        expect(-5.0 * w)
+        layer.steer_normalize["default"] = True
+        expect(-2.5 * w / w.norm())
+        layer.steer_normalize["default"] = False
+        pm.add_adapter("other", SteeringConfig(layers=[0], task_type="CAUSAL_LM", multiplier=3.0))
+        pm.base_model.set_vectors({0: v}, adapter_name="other")
+        pm.base_model.set_adapter("other")
+        expect(3.0 * v)
+        pm.base_model.set_adapter(["default", "other"])
+        expect(-5.0 * w + 3.0 * v)
+        layer.steer_operator["other"] = "ablate"  # a non-add operator leaves the fast path
+        unit = v / v.norm()
+        with torch.no_grad():
+            pm(**batch)
+        h = seen["base"] - 5.0 * w
+        torch.testing.assert_close(seen["steered"][real], (h - 3.0 * (h @ unit)[..., None] * unit)[real],
+                                   rtol=0, atol=1e-5)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_padding_after_the_prompt_is_still_masked_outside_generate(tiny_model, tokenizer):
+    """Only generate's own chunks skip the padding mask; a declared prompt length with right padding keeps it."""
+    pm = _steered(tiny_model("llama"), layers=(0,), positions="generated", scale=1.0)
+    layer = pm.base_model.steering_layers()[0]
+    seen = {}
+    hooks = [layer.base_layer.register_forward_hook(lambda m, a, out: seen.__setitem__("base", out)),
+             layer.register_forward_hook(lambda m, a, out: seen.__setitem__("steered", out))]
+    side, tokenizer.padding_side = tokenizer.padding_side, "right"  # the tokenizer fixture is session-wide
+    try:
+        batch = tokenizer(["Once upon a time", "Hi"], return_tensors="pt", padding=True)
+    finally:
+        tokenizer.padding_side = side
+    assert not batch["attention_mask"][:, -1].all()  # right padding after the declared prompt
+    try:
+        with torch.no_grad(), pm.base_model.prompt_length(2):
+            pm(**batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    steered = (seen["steered"] - seen["base"]).abs().amax(-1) > 0
+    expected = batch["attention_mask"].bool() & (torch.arange(batch["input_ids"].shape[1]) >= 2)
+    assert torch.equal(steered, expected)
