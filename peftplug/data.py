@@ -70,6 +70,40 @@ def _split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     return order[n_val:], order[:n_val]
 
 
+def check_val_fraction(val_fraction: float) -> None:
+    """Raises ``ConfigError`` unless ``0 < val_fraction < 1``.
+
+    Args:
+        val_fraction: The ``data.val_fraction`` setting.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in (0, 1); got {val_fraction}")
+
+
+def read_splits(files: dict[str, str | None], columns: Sequence[str], val_fraction: float,
+                seed: int) -> dict[str, dict[str, list]]:
+    """Reads the configured split files; without a validation file, holds out ``val_fraction`` of train.
+
+    Args:
+        files: ``{"train": path, "validation": path or None, "test": path or None}``.
+        columns: Columns every file must have (the first one sizes the held-out split).
+        val_fraction: Fraction of the training file held out when there is no validation file.
+        seed: Seed of that split.
+
+    Returns:
+        ``{split: {column: values}}`` for every split present.
+    """
+    if files["train"] is None:
+        raise ConfigError("data.train_file is required")
+    raw = {split: read_table(path, columns) for split, path in files.items() if path is not None}
+    if "validation" not in raw:
+        full = raw["train"]
+        train_idx, val_idx = _split(len(full[columns[0]]), val_fraction, seed)
+        raw["train"] = {k: [v[i] for i in train_idx] for k, v in full.items()}
+        raw["validation"] = {k: [v[i] for i in val_idx] for k, v in full.items()}
+    return raw
+
+
 def pad_batch(features: list[dict[str, list[int]]], pad_id: int, left: bool = False) -> dict[str, torch.Tensor]:
     """Pads a list of tokenized examples into tensors (labels with -100, attention mask with 0).
 
@@ -196,8 +230,7 @@ class TextClassificationData(_TokenizedDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__(tokenizer, max_length, batch_size, eval_batch_size, num_workers, seed)
-        if not 0.0 < val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction must be in (0, 1); got {val_fraction}")
+        check_val_fraction(val_fraction)
         self.files = {"train": train_file, "validation": validation_file, "test": test_file}
         self.text_column, self.text_pair_column, self.label_column = text_column, text_pair_column, label_column
         self.val_fraction = val_fraction
@@ -205,22 +238,13 @@ class TextClassificationData(_TokenizedDataModule):
 
     def load_raw(self) -> dict[str, dict[str, list]]:
         """The raw splits: ``{split: {"text": [...], "text_pair": [...]?, "label": [...]}}``."""
-        if self.files["train"] is None:
-            raise ConfigError("data.train_file is required")
         columns = [self.text_column] + ([self.text_pair_column] if self.text_pair_column else [])
         columns.append(self.label_column)
         raw = {}
-        for split, path in self.files.items():
-            if path is not None:
-                table = read_table(path, columns)
-                raw[split] = {"text": table[self.text_column], "label": table[self.label_column]}
-                if self.text_pair_column:
-                    raw[split]["text_pair"] = table[self.text_pair_column]
-        if "validation" not in raw:
-            train_idx, val_idx = _split(len(raw["train"]["label"]), self.val_fraction, self.seed)
-            full = raw["train"]
-            raw["train"] = {k: [v[i] for i in train_idx] for k, v in full.items()}
-            raw["validation"] = {k: [v[i] for i in val_idx] for k, v in full.items()}
+        for split, table in read_splits(self.files, columns, self.val_fraction, self.seed).items():
+            raw[split] = {"text": table[self.text_column], "label": table[self.label_column]}
+            if self.text_pair_column:
+                raw[split]["text_pair"] = table[self.text_pair_column]
         return raw
 
     def _map_labels(self, raw: dict[str, dict[str, list]]) -> None:
@@ -400,8 +424,7 @@ class CausalLMData(_TokenizedDataModule):
             raise ConfigError("data.prompt_column and data.response_column must be set together")
         if task is not None and task not in ("causal_lm", "seq2seq"):
             raise ConfigError(f"data.task must be causal_lm or seq2seq; got {task!r}")
-        if not 0.0 < val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction must be in (0, 1); got {val_fraction}")
+        check_val_fraction(val_fraction)
         self.files = {"train": train_file, "validation": validation_file, "test": test_file}
         self.text_column, self.prompt_column, self.response_column = text_column, prompt_column, response_column
         self.task = task
@@ -439,17 +462,9 @@ class CausalLMData(_TokenizedDataModule):
         task = self.task or getattr(self._module(), "task", None) or "causal_lm"
         if task not in ("causal_lm", "seq2seq"):
             raise ConfigError(f"CausalLMData serves causal_lm or seq2seq models, not {task!r}")
-        if self.files["train"] is None:
-            raise ConfigError("data.train_file is required")
         instruction = self.prompt_column is not None
         columns = [self.prompt_column, self.response_column] if instruction else [self.text_column]
-        raw = {s: read_table(p, columns) for s, p in self.files.items() if p is not None}
-        if "validation" not in raw:
-            first = raw["train"][columns[0]]
-            train_idx, val_idx = _split(len(first), self.val_fraction, self.seed)
-            full = raw["train"]
-            raw["train"] = {k: [v[i] for i in train_idx] for k, v in full.items()}
-            raw["validation"] = {k: [v[i] for i in val_idx] for k, v in full.items()}
+        raw = read_splits(self.files, columns, self.val_fraction, self.seed)
         for split, cols in raw.items():
             prompts = [str(p) for p in cols[columns[0]]]
             responses = [str(r) for r in cols[columns[1]]] if instruction else [None] * len(prompts)
