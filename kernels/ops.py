@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_available import triton_available, triton_usable
+from kernels._triton_available import load_kernel_module, triton_available, triton_usable
 from kernels.block_rotate import reference as _rotate_ref
 from kernels.cayley_neumann import reference as _cn_ref
+from kernels.nf4_dequantize import reference as _deq_ref
 from kernels.nf4_rotate_matmul import reference as _nf4_ref
 
 IMPLS = ("auto", "torch", "triton")
@@ -151,3 +152,26 @@ def nf4_rotate_matmul(
 
         return fused(x, rotation, weight, quant_state, bias)
     return _nf4_ref.nf4_rotate_matmul(x, rotation, weight, quant_state, bias)
+
+
+def dequantize_4bit(weight: torch.Tensor, quant_state, dtype: torch.dtype | None = None,
+                    impl: str = "auto") -> torch.Tensor:
+    """deq(W) of a bitsandbytes 4-bit (NF4 or FP4) weight, with or without double quantization.
+
+    Not differentiable (the codes are frozen). The Triton kernel writes only the output (2 bytes per element in
+    half precision); the torch reference holds ≈19 bytes per element at its peak.
+
+    Args:
+        weight: Packed 4-bit weight (``Linear4bit.weight``).
+        quant_state: Its bitsandbytes ``QuantState`` (read by attribute).
+        dtype: Output dtype; the state's dtype by default.
+        impl: See module docstring.
+
+    Returns:
+        ``quant_state.shape`` tensor.
+    """
+    if len(tuple(quant_state.shape)) != 2:
+        raise ValueError(f"quant_state.shape must be (out, in), got {tuple(quant_state.shape)}")
+    if resolve_impl(impl, weight, op="nf4_dequantize") == "triton":
+        return load_kernel_module("nf4_dequantize").dequantize_4bit(weight, quant_state, dtype)
+    return _deq_ref.dequantize_4bit(weight, quant_state, dtype)

@@ -1,7 +1,7 @@
 """Autograd wrapper of the fused rotate + 4-bit matmul.
 
 Forward: the fused Triton kernel. Backward (the 4-bit weight is frozen): ``dX' = dY deq(W)`` through one
-dequantized matmul, then the block-rotation backward kernels give ``dX = dX' Rᵀ`` and ``dR = Σ x_blkᵀ dX'_blk``;
+dequantized matmul (the dequantize kernel writes W once in the gradient's dtype, as bitsandbytes' backward does), then the block-rotation backward kernels give ``dX = dX' Rᵀ`` and ``dR = Σ x_blkᵀ dX'_blk``;
 ``dbias = Σ dY`` when the bias is trainable.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from kernels._triton_available import load_kernel_module
-from kernels.nf4_rotate_matmul.reference import dequantize_4bit
 
 
 class NF4RotateMatmulFunction(torch.autograd.Function):
@@ -30,11 +29,12 @@ class NF4RotateMatmulFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         rotate = load_kernel_module("block_rotate")
+        dequantize = load_kernel_module("nf4_dequantize")
         x2, rotation, weight = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_rot = grad_bias = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            w = dequantize_4bit(weight, ctx.quant_state, dtype=g2.dtype)
+            w = dequantize.dequantize_4bit(weight, ctx.quant_state, dtype=g2.dtype)
             grad_rotated = (g2 @ w).contiguous()
             if ctx.needs_input_grad[0]:
                 grad_x = rotate.block_matmul(grad_rotated, rotation, transpose=True).reshape(ctx.x_shape)

@@ -52,3 +52,18 @@ def close():
     """``close(actual, expected, dtype, what)``: asserts agreement within a few roundings of ``dtype``, scaled to
     the expected tensor's magnitude."""
     return _assert_close
+
+
+@pytest.fixture
+def quantize():
+    """``quantize(shape, dtype, quant_type, nested, blocksize=64, device="cpu", seed=0) -> (w, packed, state)``:
+    a random weight and its bitsandbytes 4-bit quantization (skips when bitsandbytes is not installed)."""
+    bnbf = pytest.importorskip("bitsandbytes.functional")
+
+    def make(shape, dtype, quant_type, nested, blocksize=64, device="cpu", seed=0):
+        torch.manual_seed(seed)
+        w = torch.randn(*shape, device=device).to(dtype)
+        packed, state = bnbf.quantize_4bit(w, blocksize=blocksize, compress_statistics=nested, quant_type=quant_type)
+        return w, packed, state
+
+    return make

@@ -1,5 +1,5 @@
-"""nf4_rotate_matmul: pure-torch 4-bit dequantization vs bitsandbytes, and the fused Triton kernel (interpreter on
-CPU) vs the unfused oracle ``block_rotate`` -> ``bitsandbytes.functional.dequantize_4bit`` -> matmul."""
+"""nf4_rotate_matmul: the fused Triton kernel (interpreter on CPU) vs the unfused oracle ``block_rotate`` ->
+``bitsandbytes.functional.dequantize_4bit`` -> matmul, forward and backward."""
 
 from __future__ import annotations
 
@@ -9,44 +9,9 @@ import torch.nn.functional as F
 
 from kernels import ops
 from kernels.block_rotate.reference import block_rotate
-from kernels.nf4_rotate_matmul import reference
+from kernels.nf4_dequantize import reference
 
 bnbf = pytest.importorskip("bitsandbytes.functional")
-
-
-def _quantize(shape, dtype, quant_type, nested, blocksize=64, device="cpu", seed=0):
-    torch.manual_seed(seed)
-    w = torch.randn(*shape, device=device).to(dtype)
-    packed, state = bnbf.quantize_4bit(w, blocksize=blocksize, compress_statistics=nested, quant_type=quant_type)
-    return w, packed, state
-
-
-@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
-@pytest.mark.parametrize("nested", [False, True])
-@pytest.mark.parametrize(("dtype", "blocksize"), [(torch.float32, 64), (torch.float16, 128), (torch.bfloat16, 64)])
-def test_torch_dequant_equals_bitsandbytes(device, quant_type, nested, dtype, blocksize):
-    _, packed, state = _quantize((48, 256), dtype, quant_type, nested, blocksize, device)
-    ours = reference.dequantize_4bit(packed, state)
-    theirs = bnbf.dequantize_4bit(packed, state)
-    assert ours.dtype == theirs.dtype == dtype
-    # Bit-exact against bitsandbytes' CPU kernels; its CUDA kernels may round the product differently (1 ulp).
-    exact = device == "cpu"
-    torch.testing.assert_close(ours, theirs, rtol=0 if exact else None, atol=0 if exact else None)
-
-
-def test_torch_dequant_rows_not_multiple_of_blocksize():
-    # Quantization blocks run over the row-major flattened weight and may straddle rows. bitsandbytes 0.50's CPU
-    # C kernel gets this case wrong (it restarts blocks per row), so compare with its pure-torch default backend
-    # and with the original weight instead.
-    default_ops = pytest.importorskip("bitsandbytes.backends.default.ops")
-    w, packed, state = _quantize((6, 96), torch.float32, "nf4", False)
-    ours = reference.dequantize_4bit(packed, state)
-    # Unwrap bitsandbytes' torch.compile wrapper: compiling costs ~10 s here and changes nothing numerically.
-    compute = getattr(default_ops._dequantize_4bit_compute, "__wrapped__", default_ops._dequantize_4bit_compute)
-    theirs = compute(packed.reshape(-1), state.absmax, state.code, 64, state.shape, torch.float32)
-    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
-    # NF4 error stays within half the widest code gap (≈0.16) times the block's absmax.
-    assert (ours - w).abs().max() <= 0.17 * w.abs().max()
 
 
 @pytest.mark.usefixtures("needs_triton")
@@ -60,8 +25,8 @@ def test_torch_dequant_rows_not_multiple_of_blocksize():
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_fused_matches_unfused_oracle(device, close, lead, out_f, in_f, b, quant_type, nested, shared, dtype):
-    _, packed, state = _quantize((out_f, in_f), dtype, quant_type, nested, device=device, seed=in_f + b)
+def test_fused_matches_unfused_oracle(device, close, quantize, lead, out_f, in_f, b, quant_type, nested, shared, dtype):
+    _, packed, state = quantize((out_f, in_f), dtype, quant_type, nested, device=device, seed=in_f + b)
     x = torch.randn(*lead, in_f, device=device, dtype=dtype, requires_grad=True)
     rot = torch.linalg.qr(torch.randn(1 if shared else in_f // b, b, b, device=device))[0].requires_grad_(True)
     bias = torch.randn(out_f, device=device, dtype=dtype, requires_grad=True)
@@ -87,15 +52,15 @@ def test_fused_matches_unfused_oracle(device, close, lead, out_f, in_f, b, quant
         close(g, t.grad, dtype, name)
 
 
-def test_reference_path_matches_oracle():
-    _, packed, state = _quantize((32, 64), torch.float32, "nf4", True)
+def test_reference_path_matches_oracle(quantize):
+    _, packed, state = quantize((32, 64), torch.float32, "nf4", True)
     x = torch.randn(5, 64)
     rot = torch.linalg.qr(torch.randn(4, 16, 16))[0]
     expected = F.linear(block_rotate(x, rot), bnbf.dequantize_4bit(packed, state))
     torch.testing.assert_close(ops.nf4_rotate_matmul(x, rot, packed, state, impl="torch"), expected)
 
 
-def test_shape_mismatch_raises():
-    _, packed, state = _quantize((32, 64), torch.float32, "nf4", False)
+def test_shape_mismatch_raises(quantize):
+    _, packed, state = quantize((32, 64), torch.float32, "nf4", False)
     with pytest.raises(ValueError, match="does not match input width"):
         ops.nf4_rotate_matmul(torch.randn(2, 48), torch.eye(16)[None], packed, state)
