@@ -81,6 +81,26 @@ def _last_coeff(form: str) -> float:
     return 1.0 if form == "peft_cn" else 2.0
 
 
+# Warps per program by block tile, chosen by compiling for sm_90 (benchmarks/gpu/compile_check.py): the
+# register-resident powers of a [BB, BB] block spill at Triton's default 4 warps from BB = 32 on (backward: 3.5 KB
+# per thread); more warps spread them. BB = 64 still spills (forward ~1.2 KB, backward ~6.3 KB at 16 warps).
+_GPU_WARPS = {16: (4, 4), 32: (8, 8), 64: (8, 16)}  # BB -> (forward, backward)
+
+
+def gpu_num_warps(bb: int, backward: bool) -> int:
+    """Warps per program of the forward or backward kernel for block tile ``bb`` (16, 32 or 64).
+
+    Args:
+        bb: Power-of-two tile holding one rotation block.
+        backward: The backward kernel's count, else the forward's.
+    """
+    return _GPU_WARPS[bb][int(backward)]
+
+
+def _launch(bb: int, backward: bool) -> dict:
+    return {} if INTERPRETED else {"num_warps": gpu_num_warps(bb, backward)}
+
+
 def cayley_neumann_forward(q_vec: torch.Tensor, block_size: int, terms: int, form: str) -> torch.Tensor:
     """``[n_blocks, b(b-1)/2]`` -> ``[n_blocks, b, b]`` in ``q_vec``'s dtype (fp32 inside).
 
@@ -94,7 +114,8 @@ def cayley_neumann_forward(q_vec: torch.Tensor, block_size: int, terms: int, for
     out = torch.empty(n_blocks, block_size, block_size, device=q_vec.device, dtype=q_vec.dtype)
     if n_blocks:
         _cn_forward_kernel[(n_blocks,)](q_vec, out, block_size, q_vec.stride(0), TERMS=terms,
-                                        LAST_COEFF=_last_coeff(form), BB=block_tile(block_size))
+                                        LAST_COEFF=_last_coeff(form), BB=block_tile(block_size),
+                                        **_launch(block_tile(block_size), backward=False))
     return out
 
 
@@ -111,5 +132,5 @@ def cayley_neumann_backward(q_vec: torch.Tensor, grad_r: torch.Tensor, terms: in
     out = torch.empty(q_vec.shape, device=q_vec.device, dtype=torch.float32)
     if n_blocks:
         _cn_backward_kernel[(n_blocks,)](q_vec, grad_r, out, b, q_vec.stride(0), out.stride(0), TERMS=terms,
-                                         LAST_COEFF=_last_coeff(form), BB=block_tile(b))
+                                         LAST_COEFF=_last_coeff(form), BB=block_tile(b), **_launch(block_tile(b), backward=True))
     return out

@@ -13,15 +13,15 @@ import triton
 import triton.language as tl
 
 from kernels._tiles import block_tile, dot_precision, next_pow2
-from kernels.nf4_rotate_matmul.reference import packed_bytes
+from kernels.nf4_dequantize.reference import kernel_quant_state, packed_bytes
 
 
 @triton.jit
 def _rotate_dequant_matmul_kernel(
     x_ptr, r_ptr, w_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset, bias_ptr, y_ptr,
     T, N, K, B, stride_xt, stride_rb, stride_yt, QBLOCK, QBLOCK2,
-    NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, HALF_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BB: tl.constexpr,
+    NESTED: tl.constexpr, SCALE_PER_COL: tl.constexpr, HAS_BIAS: tl.constexpr, HALF_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BB: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -48,14 +48,24 @@ def _rotate_dequant_matmul_kernel(
         byte = tl.load(w_ptr + flat // 2, mask=w_mask, other=0).to(tl.int32)
         nib = tl.where(flat % 2 == 0, byte >> 4, byte & 0xF)
         val = tl.load(code_ptr + nib, mask=w_mask, other=0.0)
-        qblock = flat // QBLOCK
-        if NESTED:
-            qa = tl.load(absmax_ptr + qblock, mask=w_mask, other=0).to(tl.int32)
-            scale = tl.load(code2_ptr + qa, mask=w_mask, other=0.0) * tl.load(
-                absmax2_ptr + qblock // QBLOCK2, mask=w_mask, other=0.0) + offset
+        if SCALE_PER_COL:
+            # The rotation block lies inside one quantization block of each column: one scale per column
+            # instead of a gather per element (the common case, e.g. b = 32 and blocksize 64).
+            qblock = (cols * K + blk * B) // QBLOCK
+            s_mask = col_ok
         else:
-            scale = tl.load(absmax_ptr + qblock, mask=w_mask, other=0.0)
-        w = (val * scale).to(x_ptr.dtype.element_ty)
+            qblock = flat // QBLOCK
+            s_mask = w_mask
+        if NESTED:
+            qa = tl.load(absmax_ptr + qblock, mask=s_mask, other=0).to(tl.int32)
+            scale = tl.load(code2_ptr + qa, mask=s_mask, other=0.0) * tl.load(
+                absmax2_ptr + qblock // QBLOCK2, mask=s_mask, other=0.0) + offset
+        else:
+            scale = tl.load(absmax_ptr + qblock, mask=s_mask, other=0.0)
+        if SCALE_PER_COL:
+            w = (val * scale[None, :]).to(x_ptr.dtype.element_ty)
+        else:
+            w = (val * scale).to(x_ptr.dtype.element_ty)
         if HALF_DOT:
             acc += tl.dot(xr, w)
         else:
@@ -67,6 +77,31 @@ def _rotate_dequant_matmul_kernel(
 
 
 INTERPRETED = type(_rotate_dequant_matmul_kernel).__name__ == "InterpretedFunction"
+
+
+# GPU tiles per rotation-block tile, chosen by compiling every candidate for sm_90 with Triton's ptxas
+# (benchmarks/gpu/compile_check.py): the largest tiles that fit shared memory (227 KB) without spilling registers.
+# A [BB, BB] fp32 rotation block lives in registers next to the accumulator, so tiles shrink as BB grows; fp32 inputs
+# (fp32 tiles, exact dots) need smaller tiles than bf16/fp16. Untimed until a GPU run (benchmarks/gpu/run_all.sh).
+#   (BB, half inputs) -> (BLOCK_T, BLOCK_N, num_stages, num_warps)      shared KB, spilled bytes per thread
+_GPU_LAUNCH = {
+    (32, True): (128, 128, 3, 8),  # 54 KB, 0
+    (32, False): (64, 128, 3, 8),  # 82 KB, 0
+    (64, True): (64, 128, 2, 8),  # 81 KB, 0   (128 × 128 spills 224 B)
+    (64, False): (32, 64, 2, 8),  # 64 KB, 24
+    (128, True): (16, 64, 1, 8),  # 64 KB, 104 (every 128-wide candidate spills)
+    (128, False): (32, 64, 1, 8),  # 80 KB, ~7.9 KB: fp32 with 128-wide blocks is slow; prefer bf16 compute
+}
+
+
+def gpu_launch(bb: int, half: bool) -> tuple[int, int, int, int]:
+    """``(BLOCK_T, BLOCK_N, num_stages, num_warps)`` for a rotation-block tile ``bb`` (16, 32, 64 or 128).
+
+    Args:
+        bb: Power-of-two tile holding one rotation block (:func:`kernels._tiles.block_tile`).
+        half: Whether the inputs are fp16/bf16 (half-precision main dot).
+    """
+    return _GPU_LAUNCH[(max(32, bb), half)]
 
 
 def rotate_dequant_matmul(x2: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, quant_state,
@@ -89,42 +124,22 @@ def rotate_dequant_matmul(x2: torch.Tensor, rotation: torch.Tensor, weight: torc
     y = torch.empty(tokens, n, device=x2.device, dtype=x2.dtype)
     if tokens == 0:
         return y
-    device = x2.device
-    code = quant_state.code.to(device=device, dtype=torch.float32).contiguous()
-    nested = bool(getattr(quant_state, "nested", False))
-    if nested:
-        absmax = quant_state.absmax.to(device).contiguous()
-        absmax2 = quant_state.state2.absmax.to(device=device, dtype=torch.float32).contiguous()
-        code2 = quant_state.state2.code.to(device=device, dtype=torch.float32).contiguous()
-        offset, qblock2 = float(quant_state.offset), int(quant_state.state2.blocksize)
-    else:
-        absmax = quant_state.absmax.to(device=device, dtype=torch.float32).contiguous()
-        absmax2, code2, offset, qblock2 = absmax, code, 0.0, 1
+    qs = kernel_quant_state(quant_state, x2.device)
     half_dot = (not INTERPRETED) and x2.dtype in (torch.float16, torch.bfloat16)
     bb = block_tile(b)
     if INTERPRETED:
         block_t, block_n = min(128, max(16, next_pow2(tokens))), min(128, max(16, next_pow2(n)))
         launch = {}
     else:
-        # Shared memory per config, compiled for sm_90 (limit 227 KB): bb 32 -> 119 KB (bf16, 3 stages);
-        # bb 64 -> 262 KB at 3 stages, 147 KB at 2; bb 128 -> 66 KB with 64-wide tiles and 1 stage.
-        if bb <= 32:
-            block_t = block_n = 128
-            stages = 3
-        elif bb <= 64:
-            block_t = block_n = 128 if half_dot else 64
-            stages = 2
-        else:
-            block_t = block_n = 64
-            stages = 1
-        launch = {"num_warps": 8, "num_stages": stages}
+        block_t, block_n, stages, warps = gpu_launch(bb, half_dot)
+        launch = {"num_warps": warps, "num_stages": stages}
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(n, block_n))
     _rotate_dequant_matmul_kernel[grid](
-        x2, rotation, packed_bytes(weight), absmax, code, absmax2, code2, offset,
+        x2, rotation, packed_bytes(weight), qs.absmax, qs.code, qs.absmax2, qs.code2, qs.offset,
         bias if bias is not None else y, y,
         tokens, n, k, b, x2.stride(0), b * b if rotation.shape[0] > 1 else 0, y.stride(0),
-        int(quant_state.blocksize), qblock2,
-        NESTED=nested, HAS_BIAS=bias is not None, HALF_DOT=half_dot, PRECISION=dot_precision(x2, rotation),
-        BLOCK_T=block_t, BLOCK_N=block_n, BB=bb, **launch,
+        qs.blocksize, qs.blocksize2,
+        NESTED=qs.nested, SCALE_PER_COL=k % qs.blocksize == 0 and qs.blocksize % b == 0, HAS_BIAS=bias is not None,
+        HALF_DOT=half_dot, PRECISION=dot_precision(x2, rotation), BLOCK_T=block_t, BLOCK_N=block_n, BB=bb, **launch,
     )
     return y
