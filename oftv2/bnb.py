@@ -86,6 +86,12 @@ def dequantize_4bit_weight(base: nn.Module, dtype: torch.dtype | None = None) ->
 
 
 # Block scales tried by the "mse" requantization, as fractions of the block's absmax (1.0 = bitsandbytes' own).
+# Token count (batch × sequence) above which a 4-bit layer leaves the fused rotate + dequant-GEMM kernel for
+# rotate (Triton) -> bitsandbytes' dequantize + cuBLAS: the fused kernel dequantizes each weight tile once per
+# 128-token tile, so its advantage (no x R and no deq(W) round trip through memory) shrinks as tokens grow, while
+# dequantize-once + cuBLAS amortises. Decoding and small batches stay fused. An estimate until measured on a GPU:
+# benchmarks/gpu/bench.py times both paths over a token sweep; set this module attribute to tune it.
+FUSED_NF4_MAX_TOKENS = 1024
 MSE_SCALE_GRID = tuple(0.70 + 0.025 * i for i in range(13))
 REQUANTIZATION_MODES = ("auto", "mse", "absmax")
 
@@ -311,6 +317,8 @@ class Linear4bit(_QuantizedOFTv2):
         base = self.get_base_layer()
         state = getattr(base.weight, "quant_state", None)
         if impl == "torch" or state is None or getattr(state, "packing_format_for_cpu", False):
+            return None
+        if impl == "auto" and x.numel() > FUSED_NF4_MAX_TOKENS * x.shape[-1]:
             return None
         if ops.resolve_impl(impl, x, base.weight, op="nf4_rotate_matmul") != "triton":
             return None

@@ -39,3 +39,26 @@ def test_fused_layer_matches_unfused(load_quantized, randomize, quant_type, doub
         x.grad, q.grad = None, None
     for name, a, b in zip(("y", "dX", "dQ"), outputs["triton"], outputs["torch"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_auto_leaves_the_fused_kernel_above_the_token_threshold(load_quantized, monkeypatch):
+    ok, why = triton_usable("nf4_rotate_matmul", torch.zeros(1))
+    if not ok:
+        pytest.skip(why)
+    model = peft.get_peft_model(load_quantized(4, "nf4", True), oftv2.OFTv2Config(block_size=16,
+                                                                                   target_modules=["q_proj"]))
+    layer = next(m for m in model.modules() if isinstance(m, qoft.Linear4bit))
+    # "auto" picks Triton only on CUDA; here the kernels run in the interpreter, so stand in for that one check.
+    real_resolve = qoft.ops.resolve_impl
+    monkeypatch.setattr(qoft.ops, "resolve_impl", lambda impl, *t, **k: real_resolve(
+        "triton" if impl == "auto" else impl, *t, **k))
+    monkeypatch.setattr(qoft, "FUSED_NF4_MAX_TOKENS", 8)
+    small, large = torch.randn(2, 4, layer.in_features), torch.randn(3, 3, layer.in_features)
+    assert layer._fused_adapter(small) == "default"
+    assert layer._fused_adapter(large) is None  # 9 tokens: rotate kernel, then bitsandbytes' own matmul
+    with torch.no_grad():
+        unfused = layer(large)
+        settings = layer.oftv2_settings["default"]
+        layer.oftv2_settings["default"] = settings.__class__(**{**settings.__dict__, "impl": "triton"})
+        assert layer._fused_adapter(large) == "default"  # a forced kernel is used at any size
+        torch.testing.assert_close(layer(large), unfused, rtol=1e-4, atol=1e-4)
