@@ -2,7 +2,10 @@
 
 1. ``block_rotate``: Triton kernel vs the torch reference (einsum), forward and forward + backward.
 2. ``nf4_rotate_matmul``: the fused kernel vs rotate + bitsandbytes ``Linear4bit`` (``bnb.matmul_4bit``) at
-   out × in = 4096 × 4096, batch × seq = 4096 tokens, bf16; forward and forward + backward.
+   out × in = 4096 × 4096 over a token sweep up to batch × seq = 4096, bf16; forward and forward + backward, with
+   the backward's peak memory. The sweep shows where the fused kernel stops winning (the QOFT layer's
+   ``oftv2.bnb.FUSED_NF4_MAX_TOKENS``).
+   ``nf4_dequantize``: the Triton dequantize kernel (the fused backward's) vs bitsandbytes' and the torch reference.
 3. End-to-end training step of a ~1.1B-parameter Llama-shaped model (TinyLlama shape, random weights, NF4 + double
    quant, bf16 compute): QOFT (ours, kernels by ``impl="auto"``) vs PEFT OFT on the same 4-bit base vs QLoRA
    r=16; median step time, tokens/s, peak GPU memory.
@@ -28,7 +31,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 FULL = {
-    "tokens": 4096, "width": 4096, "out": 4096, "block": 32, "nf4_tokens": (16, 256, 4096),
+    "tokens": 4096, "width": 4096, "out": 4096, "block": 32, "nf4_tokens": (16, 256, 1024, 4096),
     "llama": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
               "num_key_value_heads": 4, "vocab_size": 32000},
     "batch": 4, "seq": 1024, "steps": 10, "warmup": 3,
@@ -66,6 +69,20 @@ def _timer(device: str):
     return measure
 
 
+def _peak_mib(fn, device: str) -> float:
+    """Peak CUDA memory ``fn`` allocates above what was allocated before it (MiB); NaN on CPU."""
+    import torch
+
+    if device != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def bench_block_rotate(cfg: dict, device: str, dtype, reps: int) -> list[dict]:
     import torch
 
@@ -90,6 +107,33 @@ def bench_block_rotate(cfg: dict, device: str, dtype, reps: int) -> list[dict]:
             torch.autograd.grad(ops.block_rotate(x, rot, impl=impl), (x, rot), grad)
 
         rows.append({"op": "block_rotate", "impl": "torch einsum" if impl == "torch" else "triton",
+                     "fwd_ms": measure(fwd, reps), "fwd_bwd_ms": measure(fwd_bwd, reps), "max_rel_err": err})
+    return rows
+
+
+def bench_cayley_neumann(cfg: dict, device: str, reps: int) -> list[dict]:
+    """Triangle vectors -> rotation blocks for one ``width``-wide layer: the fused kernel vs the torch reference."""
+    import torch
+
+    from kernels import ops
+
+    measure = _timer(device)
+    b = cfg["block"]
+    q = (0.02 * torch.randn(cfg["width"] // b, b * (b - 1) // 2, device=device)).requires_grad_(True)
+    ref = ops.cayley_neumann(q, b, impl="torch").detach()
+    grad = torch.randn_like(ref)
+    rows = []
+    for impl in ("torch", "triton"):
+        err = float((ops.cayley_neumann(q, b, impl=impl).detach() - ref).abs().max() / ref.abs().max())
+
+        def fwd(impl=impl):
+            with torch.no_grad():
+                ops.cayley_neumann(q, b, impl=impl)
+
+        def fwd_bwd(impl=impl):
+            torch.autograd.grad(ops.cayley_neumann(q, b, impl=impl), (q,), grad)
+
+        rows.append({"op": f"cayley_neumann, {cfg['width'] // b} blocks of {b}", "impl": impl,
                      "fwd_ms": measure(fwd, reps), "fwd_bwd_ms": measure(fwd_bwd, reps), "max_rel_err": err})
     return rows
 
@@ -136,8 +180,45 @@ def bench_nf4(cfg: dict, device: str, dtype, reps: int) -> list[dict]:
                 torch.autograd.grad(fn(), (x, rot), grad)
 
             rows.append({"op": f"nf4_rotate_matmul, {tokens} tokens", "impl": name, "fwd_ms": measure(fwd, reps),
-                         "fwd_bwd_ms": measure(fwd_bwd, reps), "max_rel_err": err})
+                         "fwd_bwd_ms": measure(fwd_bwd, reps), "max_rel_err": err,
+                         "fwd_bwd_peak_mib": _peak_mib(fwd_bwd, device)})
     return rows
+
+
+def bench_dequantize(cfg: dict, device: str, dtype, reps: int) -> list[dict]:
+    """deq(W) of an NF4 + double quant ``out × width`` weight: Triton kernel vs bitsandbytes vs torch reference."""
+    import bitsandbytes.functional as bnbf
+    import torch
+
+    from kernels import ops
+
+    measure = _timer(device)
+    packed, state = bnbf.quantize_4bit(torch.randn(cfg["out"], cfg["width"], device=device, dtype=dtype) * 0.02,
+                                       blocksize=64, compress_statistics=True, quant_type="nf4")
+    impls = {
+        "bitsandbytes dequantize_4bit": lambda: bnbf.dequantize_4bit(packed, state),
+        "torch reference": lambda: ops.dequantize_4bit(packed, state, impl="torch"),
+        "triton": lambda: ops.dequantize_4bit(packed, state, impl="triton"),
+    }
+    ref = impls["bitsandbytes dequantize_4bit"]().float()
+    rows = []
+    for name, fn in impls.items():
+        err = float((fn().float() - ref).abs().max() / ref.abs().max())
+        rows.append({"op": f"nf4_dequantize {cfg['out']}×{cfg['width']}", "impl": name, "fwd_ms": measure(fn, reps),
+                     "fwd_bwd_ms": float("nan"), "max_rel_err": err, "fwd_bwd_peak_mib": _peak_mib(fn, device)})
+    return rows
+
+
+def fused_crossover(rows: list[dict]) -> int | None:
+    """Largest swept token count at which the fused NF4 kernel's forward + backward beat rotate (triton) + bnb."""
+    by_tokens: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if r["op"].startswith("nf4_rotate_matmul, "):
+            tokens = int(r["op"].split(", ")[1].split()[0])
+            by_tokens.setdefault(tokens, {})[r["impl"]] = r["fwd_bwd_ms"]
+    wins = [t for t, m in by_tokens.items()
+            if m.get("fused nf4_rotate_matmul (triton)", math.inf) < m.get("rotate (triton) + bnb.matmul_4bit", 0.0)]
+    return max(wins) if wins else None
 
 
 def quantize_linears_(model, dtype, quant_type: str = "nf4", double_quant: bool = True) -> None:
@@ -217,6 +298,9 @@ def bench_training(cfg: dict, device: str, dtype, dry_run: bool) -> list[dict]:
     methods = {
         "QOFT (ours)": lambda m: peft.get_peft_model(m, oftv2.OFTv2Config(
             block_size=32, target_modules=TARGETS, kernel_impl="triton" if dry_run else "auto")),
+        # The layer's "auto" leaves the fused kernel above FUSED_NF4_MAX_TOKENS; this row keeps it at any size.
+        "QOFT (ours, fused kernel forced)": lambda m: peft.get_peft_model(m, oftv2.OFTv2Config(
+            block_size=32, target_modules=TARGETS, kernel_impl="triton")),
         "PEFT OFT (same 4-bit base)": lambda m: peft.get_peft_model(m, peft.OFTConfig(
             oft_block_size=32, r=0, target_modules=TARGETS, use_cayley_neumann=True)),
         "QLoRA r=16": lambda m: peft.get_peft_model(m, peft.LoraConfig(r=16, lora_alpha=32,
@@ -237,24 +321,41 @@ def bench_training(cfg: dict, device: str, dtype, dry_run: bool) -> list[dict]:
 
 
 def render(results: dict) -> str:
-    env = results["env"]
+    """The markdown section for docs/benchmarks/qoft.md; handles runs without bitsandbytes or training."""
+    env, k = results["env"], results["config"]
     lines = ["## GPU", "", (f"Measured by `bash benchmarks/gpu/run_all.sh` on {env['device']} "
              f"(torch {env['torch']}, triton {env['triton']}, bitsandbytes {env['bitsandbytes']}); "
              f"{'DRY RUN at tiny sizes on CPU — not performance numbers' if env['dry_run'] else 'one run'}."), "",
-             "| op | implementation | fwd ms | fwd+bwd ms | max rel. error vs reference |", "|---|---|---|---|---|"]
+             "| op | implementation | fwd ms | fwd+bwd ms | fwd+bwd peak MiB | max rel. error vs reference |",
+             "|---|---|---|---|---|---|"]
     for r in results["kernels"]:
-        lines.append(f"| {r['op']} | {r['impl']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['max_rel_err']:.2e} |")
-    k = results["config"]
-    lines += ["", (f"Kernels: block_rotate on {k['tokens']} tokens × {k['width']}; nf4_rotate_matmul with an NF4 + double "
-              f"quant {k['out']} × {k['width']} weight at the token counts in each row; rotation block {k['block']}; "
-              f"{env['dtype']}. Errors are relative to rotate (torch) + bnb."), "", "| training step | step ms (median) | tokens/s | peak GiB | trainable |",
-              "|---|---|---|---|---|"]
-    for r in results["training"]:
-        lines.append(f"| {r['method']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['peak_gib']:.2f} | "
-                     f"{r['trainable']:,} |")
-    lines += ["", (f"Training: Llama-shaped {results['training'][0]['params'] / 1e9:.2f}B parameters "
-              f"(random weights, NF4 + double quant, {env['dtype']} compute), batch {k['batch']}×{k['seq']}, "
-              f"median of {k['steps']} steps after {k['warmup']} warm-up steps.")]
+        lines.append(f"| {r['op']} | {r['impl']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
+                     f"{r.get('fwd_bwd_peak_mib', float('nan')):.1f} | {r['max_rel_err']:.2e} |")
+    lines += ["", (f"Kernels: block_rotate on {k['tokens']} tokens × {k['width']}; rotation block {k['block']}; "
+              f"{env['dtype']}; nf4_rotate_matmul with an NF4 + double quant {k['out']} × {k['width']} weight at the "
+              f"token counts in each row. Errors are relative to the torch reference (NF4: rotate (torch) + bnb; "
+              f"dequantize: bitsandbytes'). Peak MiB: memory allocated above the inputs during one call.")]
+    if "fused_crossover" in results:
+        crossover = results["fused_crossover"]
+        lines += ["", (f"Fused NF4 forward + backward faster than rotate (triton) + bnb.matmul_4bit up to {crossover} "
+                       f"tokens in this sweep" if crossover else
+                       "The fused NF4 kernel was not faster than rotate (triton) + bnb.matmul_4bit at any swept token "
+                       "count") + f"; the QOFT layer's `oftv2.bnb.FUSED_NF4_MAX_TOKENS` is {results['fused_max_tokens']}."]
+    else:
+        lines += ["", "bitsandbytes was not installed: no NF4 or training rows (carry its wheel in `.whl/`)."]
+    if results["training"]:
+        lines += ["", "| training step | step ms (median) | vs QLoRA | tokens/s | peak GiB | vs QLoRA | trainable |",
+                  "|---|---|---|---|---|---|---|"]
+        qlora = next((r for r in results["training"] if r["method"].startswith("QLoRA")), results["training"][-1])
+        for r in results["training"]:
+            lines.append(f"| {r['method']} | {r['step_ms']:.1f} | {r['step_ms'] / qlora['step_ms']:.3f}× | "
+                         f"{r['tokens_per_s']:,.0f} | {r['peak_gib']:.2f} | "
+                         f"{r['peak_gib'] / qlora['peak_gib']:.3f}× | {r['trainable']:,} |")
+        lines += ["", (f"Training: Llama-shaped {results['training'][0]['params'] / 1e9:.2f}B parameters "
+                  f"(random weights, NF4 + double quant, {env['dtype']} compute), batch {k['batch']}×{k['seq']}, "
+                  f"median of {k['steps']} steps after {k['warmup']} warm-up steps.")]
+    lines += ["", ("Targets: fused NF4 ≥ 1.3× faster than rotate + bnb matmul at 4096 tokens; QOFT step time ≤ "
+                   "QLoRA's; QOFT peak memory ≤ 1.02× QLoRA's.")]
     return "\n".join(lines) + "\n"
 
 
@@ -275,6 +376,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO_ROOT / "benchmarks/gpu/out"))
     parser.add_argument("--merge-docs", type=Path, default=None, help="copy a gpu_results.md into the docs; exit")
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--skip-bnb", action="store_true",
+                        help="without bitsandbytes: only the block_rotate and cayley_neumann kernels")
     args = parser.parse_args(argv)
     if args.merge_docs:
         merge_docs(args.merge_docs)
@@ -291,21 +394,40 @@ def main(argv=None) -> dict:
     cfg = DRY if args.dry_run else FULL
     dtype = torch.float32 if args.dry_run else torch.bfloat16  # CPU interpreter: fp32 keeps tl.dot exact
     reps = 2 if args.dry_run else 50
-    import bitsandbytes
     import triton
+
+    if args.skip_bnb:
+        bnb_version = "not installed"
+    else:
+        import bitsandbytes
+
+        bnb_version = bitsandbytes.__version__
+    from oftv2.bnb import FUSED_NF4_MAX_TOKENS
 
     results = {"env": {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "CPU",
                        "torch": torch.__version__, "triton": triton.__version__,
-                       "bitsandbytes": bitsandbytes.__version__, "dtype": str(dtype).replace("torch.", ""),
+                       "bitsandbytes": bnb_version, "dtype": str(dtype).replace("torch.", ""),
                        "dry_run": args.dry_run},
                "config": {k: v for k, v in cfg.items() if k != "llama"}}
-    results["kernels"] = bench_block_rotate(cfg, device, dtype, reps) + bench_nf4(cfg, device, dtype, reps)
-    results["training"] = [] if args.skip_training else bench_training(cfg, device, dtype, args.dry_run)
+    # Written after each stage, so a run cut short by its time limit still leaves what it measured.
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_results.json").write_text(json.dumps(results, indent=2))
-    if results["training"]:
-        (args.out / "gpu_results.md").write_text(render(results))
-        print(render(results))
+
+    def save():
+        (args.out / "gpu_results.json").write_text(json.dumps(results, indent=2))
+
+    results["kernels"] = bench_block_rotate(cfg, device, dtype, reps) + bench_cayley_neumann(cfg, device, reps)
+    results["training"] = []
+    save()
+    if not args.skip_bnb:
+        results["kernels"] += bench_nf4(cfg, device, dtype, reps) + bench_dequantize(cfg, device, dtype, reps)
+        results["fused_crossover"] = fused_crossover(results["kernels"])
+        results["fused_max_tokens"] = FUSED_NF4_MAX_TOKENS
+        save()
+        if not args.skip_training:
+            results["training"] = bench_training(cfg, device, dtype, args.dry_run)
+    save()
+    (args.out / "gpu_results.md").write_text(render(results))
+    print(render(results))
     return results
 
 

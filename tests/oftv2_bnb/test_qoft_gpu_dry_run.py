@@ -37,6 +37,22 @@ def test_gpu_benchmark_dry_run(tmp_path):
     assert ("nf4_rotate_matmul, 48 tokens", "fused nf4_rotate_matmul (triton)") in impls
     assert all(r["max_rel_err"] < 1e-4 for r in results["kernels"]), results["kernels"]
     methods = [r["method"] for r in results["training"]]
-    assert methods == ["QOFT (ours)", "PEFT OFT (same 4-bit base)", "QLoRA r=16"]
+    assert methods == ["QOFT (ours)", "QOFT (ours, fused kernel forced)", "PEFT OFT (same 4-bit base)", "QLoRA r=16"]
+    assert ("nf4_dequantize 96×128", "triton") in impls
     assert all(math.isfinite(r["loss"]) and r["step_ms"] > 0 for r in results["training"])
     assert "| QOFT (ours) |" in (tmp_path / "gpu_results.md").read_text()
+
+
+def test_gpu_benchmark_dry_run_without_bitsandbytes(tmp_path):
+    # The H200 image has no bitsandbytes: the script must still time the other kernels and render a section.
+    from kernels._triton_available import triton_available
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    from benchmarks.gpu import bench
+
+    results = bench.main(["--dry-run", "--skip-bnb", "--out", str(tmp_path)])
+    ops = {r["op"].split(",")[0] for r in results["kernels"]}
+    assert ops == {"block_rotate", "cayley_neumann"} and results["training"] == []
+    section = (tmp_path / "gpu_results.md").read_text()
+    assert "bitsandbytes was not installed" in section and "| cayley_neumann" in section
