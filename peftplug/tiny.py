@@ -13,18 +13,18 @@ FAMILIES = ("llama", "qwen2", "gpt2", "bert", "t5")
 
 # Sizes small enough for CPU tests, with widths divisible by the usual OFT block sizes (4, 8, 16, 32).
 _BASE = {
-    "llama": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256,
-    ),
-    "qwen2": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256,
-    ),
-    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),
-    "bert": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 max_position_embeddings=256),
-    "t5": dict(d_model=64, d_ff=128, d_kv=16, num_layers=2, num_decoder_layers=2, num_heads=4),
+    "llama": {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256,
+    },
+    "qwen2": {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256,
+    },
+    "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256},
+    "bert": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "max_position_embeddings": 256},
+    "t5": {"d_model": 64, "d_ff": 128, "d_kv": 16, "num_layers": 2, "num_decoder_layers": 2, "num_heads": 4},
 }
 
 
