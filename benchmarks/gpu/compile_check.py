@@ -22,12 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
+H200_MULTIPROCESSORS = 132
 SM90_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
 INT_ARGS = ("T", "N", "K", "B", "n", "n_tiles", "n_tiles_n", "QBLOCK", "QBLOCK2")
 
 
 def _configs():
     """``(label, kernel, pointer/scalar types by argument, constexprs, options)`` for each launch we make."""
+    from kernels._tiles import fit_tiles
     from kernels.block_rotate import triton as rotate
     from kernels.cayley_neumann import triton as cn
     from kernels.nf4_dequantize import triton as dequant
@@ -36,19 +38,24 @@ def _configs():
     for dtype in ("bf16", "fp16", "fp32"):
         half = dtype != "fp32"
         precision = "tf32" if half else "ieee"
-        # nf4_rotate_matmul: the wrapper's tiles per rotation-block tile, nested or not, scale per column or not.
+        # nf4_rotate_matmul: the wrapper's tiles per rotation-block tile (all four flag combinations), and the
+        # smaller tiles fit_tiles picks for few tokens (double quant, scale per column: the common case).
         for bb in (32, 64, 128):
             block_t, block_n, stages, warps = fused.gpu_launch(bb, half)
-            for nested in (True, False):
-                for per_col in (True, False):
-                    types = {"x_ptr": f"*{dtype}", "r_ptr": "*fp32", "w_ptr": "*u8",
-                             "absmax_ptr": "*u8" if nested else "*fp32", "code_ptr": "*fp32", "absmax2_ptr": "*fp32",
-                             "code2_ptr": "*fp32", "offset": "fp32", "bias_ptr": f"*{dtype}", "y_ptr": f"*{dtype}"}
-                    const = {"NESTED": nested, "SCALE_PER_COL": per_col, "HAS_BIAS": True, "HALF_DOT": half,
-                             "PRECISION": precision, "BLOCK_T": block_t, "BLOCK_N": block_n, "BB": bb}
-                    yield (f"nf4_rotate_matmul {dtype} b≤{bb} nested={nested} per_col={per_col}",
-                           fused._rotate_dequant_matmul_kernel, types, const,
-                           {"num_warps": warps, "num_stages": stages})
+            small = {fit_tiles(block_t, block_n, warps, tokens, n, H200_MULTIPROCESSORS, bb)
+                     for tokens in (1, 16, 64, 256, 1024) for n in (1024, 4096, 14336)} - {(block_t, block_n, warps)}
+            variants = [(block_t, block_n, warps, flags) for flags in
+                        ((True, True), (True, False), (False, True), (False, False))]
+            variants += [(t, n, w, (True, True)) for t, n, w in sorted(small)]
+            for tile_t, tile_n, tile_warps, (nested, per_col) in variants:
+                types = {"x_ptr": f"*{dtype}", "r_ptr": "*fp32", "w_ptr": "*u8",
+                         "absmax_ptr": "*u8" if nested else "*fp32", "code_ptr": "*fp32", "absmax2_ptr": "*fp32",
+                         "code2_ptr": "*fp32", "offset": "fp32", "bias_ptr": f"*{dtype}", "y_ptr": f"*{dtype}"}
+                const = {"NESTED": nested, "SCALE_PER_COL": per_col, "HAS_BIAS": True, "HALF_DOT": half,
+                         "PRECISION": precision, "BLOCK_T": tile_t, "BLOCK_N": tile_n, "BB": bb}
+                label = f"nf4_rotate_matmul {dtype} b≤{bb} {tile_t}×{tile_n}/{tile_warps}w nested={nested} per_col={per_col}"
+                yield (label, fused._rotate_dequant_matmul_kernel, types, const,
+                       {"num_warps": tile_warps, "num_stages": stages})
         for nested in (True, False):
             types = {"w_ptr": "*u8", "absmax_ptr": "*u8" if nested else "*fp32", "code_ptr": "*fp32",
                      "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset": "fp32", "out_ptr": f"*{dtype}"}

@@ -8,11 +8,13 @@ in fp32. Neither x R nor deq(W) is ever written to memory. Formats: see ``refere
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels._tiles import block_tile, dot_precision, next_pow2
+from kernels._tiles import block_tile, dot_precision, fit_tiles, next_pow2
 from kernels.nf4_dequantize.reference import kernel_quant_state, packed_bytes
 
 
@@ -82,7 +84,8 @@ INTERPRETED = type(_rotate_dequant_matmul_kernel).__name__ == "InterpretedFuncti
 # GPU tiles per rotation-block tile, chosen by compiling every candidate for sm_90 with Triton's ptxas
 # (benchmarks/gpu/compile_check.py): the largest tiles that fit shared memory (227 KB) without spilling registers.
 # A [BB, BB] fp32 rotation block lives in registers next to the accumulator, so tiles shrink as BB grows; fp32 inputs
-# (fp32 tiles, exact dots) need smaller tiles than bf16/fp16. Untimed until a GPU run (benchmarks/gpu/run_all.sh).
+# (fp32 tiles, exact dots) need smaller tiles than bf16/fp16. These are the tiles for many tokens; fit_tiles
+# shrinks them for few. Untimed until a GPU run (benchmarks/gpu/run_all.sh).
 #   (BB, half inputs) -> (BLOCK_T, BLOCK_N, num_stages, num_warps)      shared KB, spilled bytes per thread
 _GPU_LAUNCH = {
     (32, True): (128, 128, 3, 8),  # 54 KB, 0
@@ -102,6 +105,11 @@ def gpu_launch(bb: int, half: bool) -> tuple[int, int, int, int]:
         half: Whether the inputs are fp16/bf16 (half-precision main dot).
     """
     return _GPU_LAUNCH[(max(32, bb), half)]
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def rotate_dequant_matmul(x2: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, quant_state,
@@ -132,6 +140,7 @@ def rotate_dequant_matmul(x2: torch.Tensor, rotation: torch.Tensor, weight: torc
         launch = {}
     else:
         block_t, block_n, stages, warps = gpu_launch(bb, half_dot)
+        block_t, block_n, warps = fit_tiles(block_t, block_n, warps, tokens, n, _multiprocessors(x2.device), bb)
         launch = {"num_warps": warps, "num_stages": stages}
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(n, block_n))
     _rotate_dequant_matmul_kernel[grid](
