@@ -44,7 +44,7 @@ fi
 status=0
 if [ "$DRY" = 0 ]; then
   # Kernel and QOFT tests on CUDA (compiled kernels, not the interpreter). Bounded: the benchmarks must still run.
-  PEFTPLUG_KERNELS_ON_GPU=1 timeout 200 "$PY" -m pytest -q -x -p no:cacheprovider tests/kernels tests/oftv2_bnb \
+  PEFTPLUG_KERNELS_ON_GPU=1 timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/kernels tests/oftv2_bnb \
     -k "not dry_run" 2>&1 | tee "$OUT_DIR/kernel_tests.txt" | tail -n 5 | tee -a "$LOG"
   status=${PIPESTATUS[0]}
   timeout 270 "$PY" -m benchmarks.gpu.bench --out "$OUT_DIR" "${SKIP_BNB[@]}" 2>&1 | tee -a "$LOG"

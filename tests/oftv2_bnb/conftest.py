@@ -11,8 +11,18 @@ import os
 import pytest
 import torch
 
-if not (os.environ.get("PEFTPLUG_KERNELS_ON_GPU") == "1" and torch.cuda.is_available()):
+# On a CUDA machine PEFTPLUG_KERNELS_ON_GPU=1 (benchmarks/gpu/run_all.sh sets it) runs these tests on the GPU:
+# models are quantized there by bitsandbytes' CUDA kernels and the fused path uses compiled Triton kernels.
+ON_GPU = os.environ.get("PEFTPLUG_KERNELS_ON_GPU") == "1" and torch.cuda.is_available()
+if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@pytest.fixture
+def device() -> str:
+    """Where the quantized models of these tests live: ``cuda`` with ``PEFTPLUG_KERNELS_ON_GPU=1``, else ``cpu``."""
+    return DEVICE
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +49,7 @@ def load_quantized(tiny_checkpoint):
         else:
             qconfig = BitsAndBytesConfig(load_in_8bit=True)
         logging.disable_progress_bar()
-        return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, quantization_config=qconfig, device_map="cpu")
+        return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, quantization_config=qconfig, device_map=DEVICE)
 
     return load
 
@@ -48,7 +58,7 @@ def load_quantized(tiny_checkpoint):
 def batch():
     """Fixed token ids for the char-vocabulary tiny models."""
     ids = torch.randint(4, 90, (2, 16), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids}
+    return {"input_ids": ids.to(DEVICE)}
 
 
 def randomize_q(model, std: float, seed: int = 0) -> None:

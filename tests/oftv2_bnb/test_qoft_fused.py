@@ -1,5 +1,5 @@
 """The QOFT 4-bit layer's fused path (rotate + dequantize + matmul in one Triton kernel), run by Triton's
-interpreter on CPU, against the same layer's unfused torch path."""
+interpreter on CPU (compiled on CUDA with PEFTPLUG_KERNELS_ON_GPU=1), against the same layer's unfused torch path."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 @pytest.mark.parametrize(("quant_type", "double_quant"), [("nf4", True), ("fp4", False)])
-def test_fused_layer_matches_unfused(load_quantized, randomize, quant_type, double_quant):
-    probe = torch.zeros(1)
+def test_fused_layer_matches_unfused(load_quantized, randomize, device, quant_type, double_quant):
+    probe = torch.zeros(1, device=device)
     ok, why = triton_usable("nf4_rotate_matmul", probe)
     if not ok:
         pytest.skip(why)
@@ -25,7 +25,7 @@ def test_fused_layer_matches_unfused(load_quantized, randomize, quant_type, doub
     randomize(model, std=0.05)
     layer = next(m for m in model.modules() if isinstance(m, qoft.Linear4bit))
     layer.train()
-    x = torch.randn(2, 7, layer.in_features, requires_grad=True)
+    x = torch.randn(2, 7, layer.in_features, device=device, requires_grad=True)
     q = layer.oftv2_Q["default"]
 
     outputs = {}
@@ -41,8 +41,8 @@ def test_fused_layer_matches_unfused(load_quantized, randomize, quant_type, doub
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_auto_leaves_the_fused_kernel_above_the_token_threshold(load_quantized, monkeypatch):
-    ok, why = triton_usable("nf4_rotate_matmul", torch.zeros(1))
+def test_auto_leaves_the_fused_kernel_above_the_token_threshold(load_quantized, device, monkeypatch):
+    ok, why = triton_usable("nf4_rotate_matmul", torch.zeros(1, device=device))
     if not ok:
         pytest.skip(why)
     model = peft.get_peft_model(load_quantized(4, "nf4", True), oftv2.OFTv2Config(block_size=16,
@@ -53,7 +53,8 @@ def test_auto_leaves_the_fused_kernel_above_the_token_threshold(load_quantized, 
     monkeypatch.setattr(qoft.ops, "resolve_impl", lambda impl, *t, **k: real_resolve(
         "triton" if impl == "auto" else impl, *t, **k))
     monkeypatch.setattr(qoft, "FUSED_NF4_MAX_TOKENS", 8)
-    small, large = torch.randn(2, 4, layer.in_features), torch.randn(3, 3, layer.in_features)
+    small = torch.randn(2, 4, layer.in_features, device=device)
+    large = torch.randn(3, 3, layer.in_features, device=device)
     assert layer._fused_adapter(small) == "default"
     assert layer._fused_adapter(large) is None  # 9 tokens: rotate kernel, then bitsandbytes' own matmul
     with torch.no_grad():

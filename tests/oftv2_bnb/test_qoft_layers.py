@@ -1,4 +1,5 @@
-"""QOFT: OFTv2 on bitsandbytes 4-bit and 8-bit bases (CPU), compared with dequantized references."""
+"""QOFT: OFTv2 on bitsandbytes 4-bit and 8-bit bases (CPU; CUDA with PEFTPLUG_KERNELS_ON_GPU=1), compared with
+dequantized references."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_4bit_forward_rotates_then_calls_the_quantized_layer(load_quantized, ran
     randomize(model, std=0.05)
     layer = layers[0]
     base = layer.get_base_layer()
-    x = torch.randn(3, 5, layer.in_features)
+    x = torch.randn(3, 5, layer.in_features, device=base.weight.device)
     with torch.no_grad():
         # Dequantize first: an eval forward on CPU may repack the weight for bitsandbytes' CPU kernels.
         weight = bnb.functional.dequantize_4bit(base.weight.data, base.weight.quant_state)

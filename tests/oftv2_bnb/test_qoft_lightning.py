@@ -1,4 +1,5 @@
-"""QOFT through the Lightning module: ``quantization="nf4"`` + an OFTv2 config trains end to end on CPU."""
+"""QOFT through the Lightning module: ``quantization="nf4"`` + an OFTv2 config trains end to end on CPU (on the GPU
+with PEFTPLUG_KERNELS_ON_GPU=1)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class _Batches(torch.utils.data.Dataset):
         return {"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row}
 
 
-def test_lightning_nf4_oftv2_trains(tiny_checkpoint, tmp_path):
+def test_lightning_nf4_oftv2_trains(tiny_checkpoint, device, tmp_path):
     from peftplug.lightning import PeftModule
     from peftplug.tiny import char_tokenizer
 
@@ -34,7 +35,7 @@ def test_lightning_nf4_oftv2_trains(tiny_checkpoint, tmp_path):
     assert sum(isinstance(m, qoft.Linear4bit) for m in module.model.modules()) == 14
     before = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
     ids = torch.randint(4, 90, (4, 16), generator=torch.Generator().manual_seed(0))
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(max_steps=2, accelerator="gpu" if device == "cuda" else "cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(module, torch.utils.data.DataLoader(_Batches(ids), batch_size=4))
     after = dict(module.named_parameters())
