@@ -14,6 +14,8 @@ Both series converge only for ‖Q‖₂ < 1.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FORMS = ("cayley_neumann", "cayley", "peft_cn")
@@ -39,6 +41,14 @@ def block_size_from_triangle(n_elements: int) -> int:
     return b
 
 
+@functools.lru_cache(maxsize=64)
+def _triu_indices(block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # Cached: every forward of every adapted layer unpacks its triangles, and building the index tensors is a
+    # measurable share of a small layer's step on CPU.
+    rows, cols = torch.triu_indices(block_size, block_size, 1, device=device)
+    return rows, cols
+
+
 def skew_from_triangle(q_vec: torch.Tensor, block_size: int) -> torch.Tensor:
     """Unpacks strict-upper-triangle vectors into skew-symmetric matrices.
 
@@ -54,7 +64,7 @@ def skew_from_triangle(q_vec: torch.Tensor, block_size: int) -> torch.Tensor:
             f"triangle vector has {q_vec.shape[-1]} entries; block size {block_size} needs "
             f"{triangle_size(block_size)}"
         )
-    rows, cols = torch.triu_indices(block_size, block_size, 1, device=q_vec.device)
+    rows, cols = _triu_indices(block_size, q_vec.device)
     upper = q_vec.new_zeros(*q_vec.shape[:-1], block_size, block_size)
     upper[..., rows, cols] = q_vec
     return upper - upper.transpose(-1, -2)
@@ -62,8 +72,7 @@ def skew_from_triangle(q_vec: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def triangle_from_skew(q: torch.Tensor) -> torch.Tensor:
     """Packs skew-symmetric matrices ``[..., b, b]`` into their strict upper triangles ``[..., b(b-1)/2]``."""
-    b = q.shape[-1]
-    rows, cols = torch.triu_indices(b, b, 1, device=q.device)
+    rows, cols = _triu_indices(q.shape[-1], q.device)
     return q[..., rows, cols]
 
 
@@ -91,10 +100,12 @@ def cayley_from_skew(q: torch.Tensor, form: str = "cayley_neumann", terms: int =
     result = eye.clone()
     power = None
     for k in range(1, terms):
-        power = q if power is None else power @ q
+        # bmm directly for the usual [n_blocks, b, b]: matmul's batched path adds expand/view ops per power.
+        power = q if power is None else (torch.bmm(power, q) if q.dim() == 3 else power @ q)
         # Taylor: every power has coefficient 2. Product form: the last one has coefficient 1.
         coeff = 1.0 if (form == "peft_cn" and k == terms - 1) else 2.0
-        result = result + coeff * power
+        # In place with alpha: one op per term (``result + coeff * power`` is two, with their autograd nodes).
+        result.add_(power, alpha=coeff)
     return result
 
 
