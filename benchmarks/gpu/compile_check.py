@@ -40,7 +40,7 @@ def _configs():
         precision = "tf32" if half else "ieee"
         # nf4_rotate_matmul: the wrapper's tiles per rotation-block tile (all four flag combinations), and the
         # smaller tiles fit_tiles picks for few tokens (double quant, scale per column: the common case).
-        for bb in (32, 64, 128):
+        for bb in (16, 32, 64, 128):
             block_t, block_n, stages, warps = fused.gpu_launch(bb, half)
             small = {fit_tiles(block_t, block_n, warps, tokens, n, H200_MULTIPROCESSORS, bb)
                      for tokens in (1, 16, 64, 256, 1024) for n in (1024, 4096, 14336)} - {(block_t, block_n, warps)}

@@ -132,5 +132,6 @@ def cayley_neumann_backward(q_vec: torch.Tensor, grad_r: torch.Tensor, terms: in
     out = torch.empty(q_vec.shape, device=q_vec.device, dtype=torch.float32)
     if n_blocks:
         _cn_backward_kernel[(n_blocks,)](q_vec, grad_r, out, b, q_vec.stride(0), out.stride(0), TERMS=terms,
-                                         LAST_COEFF=_last_coeff(form), BB=block_tile(b), **_launch(block_tile(b), backward=True))
+                                         LAST_COEFF=_last_coeff(form), BB=block_tile(b),
+                                         **_launch(block_tile(b), backward=True))
     return out
