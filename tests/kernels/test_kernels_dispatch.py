@@ -37,7 +37,11 @@ def test_forced_triton_on_cpu_without_interpreter_says_why(monkeypatch):
         ops.block_rotate(torch.zeros(2, 4), torch.eye(4)[None], impl="triton")
 
 
-def test_light_import_and_interpreter_after_an_early_triton_import(run_fresh, needs_triton):
+def test_light_import_and_interpreter_after_an_early_triton_import(run_fresh, needs_triton, device):
+    if device == "cuda":
+        # An interpreter-order test; on the GPU machine the kernels are tested compiled (and the image's Triton 3.6
+        # interpreter does not run on numpy 2.x, see docs/kernels.md).
+        pytest.skip("interpreter-mode test; this run tests the compiled kernels")
     # In the single-process test suite, other packages (peft) import triton before tests/kernels/conftest.py sets
     # TRITON_INTERPRET=1. Triton's own @jit helpers (tl.zeros, tl.sum, ...) are then compiled-mode functions the
     # interpreter cannot call, so our kernels must use builtins only. This reproduces that order.
