@@ -85,13 +85,13 @@ def dequantize_4bit_weight(base: nn.Module, dtype: torch.dtype | None = None) ->
     return _bnb().functional.dequantize_4bit(weight.data, weight.quant_state).float()
 
 
-# Block scales tried by the "mse" requantization, as fractions of the block's absmax (1.0 = bitsandbytes' own).
 # Token count (batch × sequence) above which a 4-bit layer leaves the fused rotate + dequant-GEMM kernel for
 # rotate (Triton) -> bitsandbytes' dequantize + cuBLAS: the fused kernel dequantizes each weight tile once per
-# 128-token tile, so its advantage (no x R and no deq(W) round trip through memory) shrinks as tokens grow, while
+# token tile, so its advantage (no x R and no deq(W) round trip through memory) shrinks as tokens grow, while
 # dequantize-once + cuBLAS amortises. Decoding and small batches stay fused. An estimate until measured on a GPU:
 # benchmarks/gpu/bench.py times both paths over a token sweep; set this module attribute to tune it.
 FUSED_NF4_MAX_TOKENS = 1024
+# Block scales tried by the "mse" requantization, as fractions of the block's absmax (1.0 = bitsandbytes' own).
 MSE_SCALE_GRID = tuple(0.70 + 0.025 * i for i in range(13))
 REQUANTIZATION_MODES = ("auto", "mse", "absmax")
 

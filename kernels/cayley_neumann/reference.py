@@ -44,8 +44,10 @@ def block_size_from_triangle(n_elements: int) -> int:
 @functools.lru_cache(maxsize=64)
 def _triu_indices(block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     # Cached: every forward of every adapted layer unpacks its triangles, and building the index tensors is a
-    # measurable share of a small layer's step on CPU.
-    rows, cols = torch.triu_indices(block_size, block_size, 1, device=device)
+    # measurable share of a small layer's step on CPU. Built outside inference mode whatever the caller's mode:
+    # inference tensors in the cache could never be saved for backward by a later training forward.
+    with torch.inference_mode(False):
+        rows, cols = torch.triu_indices(block_size, block_size, 1, device=device)
     return rows, cols
 
 
@@ -97,16 +99,17 @@ def cayley_from_skew(q: torch.Tensor, form: str = "cayley_neumann", terms: int =
         work = q if q.dtype in (torch.float32, torch.float64) else q.float()
         eye_w = eye.to(work.dtype)
         return torch.linalg.solve(eye_w - work, eye_w + work, left=False).to(q.dtype)
-    result = eye.clone()
+    result = eye
     power = None
     for k in range(1, terms):
         # bmm directly for the usual [n_blocks, b, b]: matmul's batched path adds expand/view ops per power.
         power = q if power is None else (torch.bmm(power, q) if q.dim() == 3 else power @ q)
         # Taylor: every power has coefficient 2. Product form: the last one has coefficient 1.
         coeff = 1.0 if (form == "peft_cn" and k == terms - 1) else 2.0
-        # In place with alpha: one op per term (``result + coeff * power`` is two, with their autograd nodes).
-        result.add_(power, alpha=coeff)
-    return result
+        # One op per term with alpha (``result + coeff * power`` is two, with their autograd nodes); out of place,
+        # so the function stays usable under torch.func.vmap.
+        result = torch.add(result, power, alpha=coeff)
+    return result.contiguous()  # a copy only for terms == 1, where result is still the expanded identity
 
 
 def cayley_neumann(q_vec: torch.Tensor, block_size: int, terms: int = 5, form: str = "cayley_neumann"):

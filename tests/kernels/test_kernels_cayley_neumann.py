@@ -68,3 +68,20 @@ def test_bad_arguments_raise(kwargs, match):
 def test_triangle_length_checked():
     with pytest.raises(ValueError, match=r"\[n_blocks, 6\]"):
         ops.cayley_neumann(torch.zeros(2, 5), 4, impl="torch")
+
+
+def test_training_after_a_first_call_in_inference_mode():
+    # The triangle indices are cached; a cache filled under inference_mode must not hold inference tensors, which
+    # autograd refuses to save (validate-then-fit in Lightning does exactly this).
+    reference._triu_indices.cache_clear()
+    q = (0.1 * torch.randn(2, reference.triangle_size(8))).requires_grad_(True)
+    with torch.inference_mode():
+        reference.cayley_neumann(q.detach(), 8)
+    reference.cayley_neumann(q, 8).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_reference_works_under_vmap():
+    q = 0.1 * torch.randn(3, 2, reference.triangle_size(8))
+    batched = torch.func.vmap(lambda v: reference.cayley_neumann(v, 8))(q)
+    torch.testing.assert_close(batched, torch.stack([reference.cayley_neumann(v, 8) for v in q]))
