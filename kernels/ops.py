@@ -8,6 +8,8 @@ imported lazily, on first use, so importing this module never imports Triton.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kernels._triton_available import load_kernel_module, triton_available, triton_usable
@@ -20,6 +22,9 @@ IMPLS = ("auto", "torch", "triton")
 # Largest rotation blocks the register-resident Cayley–Neumann and fused NF4 kernels handle.
 CN_TRITON_MAX_BLOCK = 64
 NF4_TRITON_MAX_BLOCK = 128
+# The fused kernel indexes the packed weight with int32 (int64 would cost registers on every tile); no 4-bit layer
+# of a released model comes near this (a 128k-vocabulary × 16k head would, and bitsandbytes skips heads).
+NF4_TRITON_MAX_ELEMENTS = 2**31 - 1
 
 
 def _check_impl(impl: str) -> None:
@@ -115,6 +120,20 @@ def block_rotate(x: torch.Tensor, rotation: torch.Tensor, impl: str = "auto") ->
     return _rotate_ref.block_rotate(x, rotation)
 
 
+def nf4_kernel_unfit(block_size: int, weight_shape: tuple[int, ...]) -> str:
+    """Why the fused NF4 kernel cannot take a layer (``""`` when it can).
+
+    Args:
+        block_size: Rotation block size b.
+        weight_shape: ``(out, in)`` of the 4-bit weight.
+    """
+    if block_size > NF4_TRITON_MAX_BLOCK:
+        return f"it supports rotation blocks up to {NF4_TRITON_MAX_BLOCK}, got {block_size}"
+    if math.prod(weight_shape) > NF4_TRITON_MAX_ELEMENTS:
+        return f"its int32 weight offsets cover up to 2³¹ - 1 elements, got {weight_shape}"
+    return ""
+
+
 def nf4_rotate_matmul(
     x: torch.Tensor,
     rotation: torch.Tensor,
@@ -141,10 +160,10 @@ def nf4_rotate_matmul(
         raise ValueError(f"quant_state.shape {shape} does not match input width {x.shape[-1]}")
     _check_rotation(x.shape[-1], rotation)
     tensors = (x, rotation, weight) + (() if bias is None else (bias,))
-    if rotation.shape[-1] > NF4_TRITON_MAX_BLOCK:
+    why_not = nf4_kernel_unfit(rotation.shape[-1], shape)
+    if why_not:
         if impl == "triton":
-            raise ValueError(f"the fused NF4 kernel supports block sizes up to {NF4_TRITON_MAX_BLOCK}, "
-                             f"got {rotation.shape[-1]}")
+            raise ValueError(f"the fused NF4 kernel cannot run this layer: {why_not}")
         _check_impl(impl)
         return _nf4_ref.nf4_rotate_matmul(x, rotation, weight, quant_state, bias)
     if resolve_impl(impl, *tensors, op="nf4_rotate_matmul") == "triton":

@@ -320,6 +320,8 @@ class Linear4bit(_QuantizedOFTv2):
             return None
         if impl == "auto" and x.numel() > FUSED_NF4_MAX_TOKENS * x.shape[-1]:
             return None
+        if ops.nf4_kernel_unfit(self.oftv2_block_size[active[0]], tuple(state.shape)):
+            return None  # e.g. b > 128: the rotation kernel, then bitsandbytes' own matmul
         if ops.resolve_impl(impl, x, base.weight, op="nf4_rotate_matmul") != "triton":
             return None
         return active[0]

@@ -210,15 +210,20 @@ def bench_dequantize(cfg: dict, device: str, dtype, reps: int) -> list[dict]:
 
 
 def fused_crossover(rows: list[dict]) -> int | None:
-    """Largest swept token count at which the fused NF4 kernel's forward + backward beat rotate (triton) + bnb."""
+    """The largest swept token count up to which the fused NF4 kernel's forward + backward beat rotate (triton) +
+    bnb at every swept count (the last win before the first loss: a noisy later win does not extend it)."""
     by_tokens: dict[int, dict[str, float]] = {}
     for r in rows:
         if r["op"].startswith("nf4_rotate_matmul, "):
             tokens = int(r["op"].split(", ")[1].split()[0])
             by_tokens.setdefault(tokens, {})[r["impl"]] = r["fwd_bwd_ms"]
-    wins = [t for t, m in by_tokens.items()
-            if m.get("fused nf4_rotate_matmul (triton)", math.inf) < m.get("rotate (triton) + bnb.matmul_4bit", 0.0)]
-    return max(wins) if wins else None
+    crossover = None
+    for tokens in sorted(by_tokens):
+        m = by_tokens[tokens]
+        if not m.get("fused nf4_rotate_matmul (triton)", math.inf) < m.get("rotate (triton) + bnb.matmul_4bit", 0.0):
+            break
+        crossover = tokens
+    return crossover
 
 
 def quantize_linears_(model, dtype, quant_type: str = "nf4", double_quant: bool = True) -> None:
@@ -289,7 +294,8 @@ def _time_training(model, ids, cfg: dict, device: str) -> dict:
             "params": sum(p.numel() for p in model.parameters())}
 
 
-def bench_training(cfg: dict, device: str, dtype, dry_run: bool) -> list[dict]:
+def bench_training(cfg: dict, device: str, dtype, dry_run: bool):
+    """Yields one row per method (the caller saves after each, so a run cut short keeps the finished ones)."""
     import peft
     import torch
 
@@ -308,7 +314,6 @@ def bench_training(cfg: dict, device: str, dtype, dry_run: bool) -> list[dict]:
     }
     tokens = cfg["batch"] * cfg["seq"]
     ids = torch.randint(3, cfg["llama"]["vocab_size"], (cfg["batch"], cfg["seq"]), device=device)
-    rows = []
     for name, build in methods.items():
         gc.collect()
         if device == "cuda":
@@ -316,8 +321,7 @@ def bench_training(cfg: dict, device: str, dtype, dry_run: bool) -> list[dict]:
         row = _time_training(build(_build_base(cfg, device, dtype)), ids, cfg, device)
         if not math.isfinite(row["loss"]):
             raise RuntimeError(f"{name}: non-finite loss {row['loss']}")
-        rows.append({"method": name, "tokens_per_s": tokens / (row["step_ms"] / 1e3), **row})
-    return rows
+        yield {"method": name, "tokens_per_s": tokens / (row["step_ms"] / 1e3), **row}
 
 
 def render(results: dict) -> str:
@@ -331,10 +335,12 @@ def render(results: dict) -> str:
     for r in results["kernels"]:
         lines.append(f"| {r['op']} | {r['impl']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
                      f"{r.get('fwd_bwd_peak_mib', float('nan')):.1f} | {r['max_rel_err']:.2e} |")
-    lines += ["", (f"Kernels: block_rotate on {k['tokens']} tokens × {k['width']}; rotation block {k['block']}; "
-              f"{env['dtype']}; nf4_rotate_matmul with an NF4 + double quant {k['out']} × {k['width']} weight at the "
-              f"token counts in each row. Errors are relative to the torch reference (NF4: rotate (torch) + bnb; "
-              f"dequantize: bitsandbytes'). Peak MiB: memory allocated above the inputs during one call.")]
+    nf4 = ("" if "fused_crossover" not in results else
+           f"; nf4_rotate_matmul and nf4_dequantize with an NF4 + double quant {k['out']} × {k['width']} weight at the "
+           f"token counts in each row (errors relative to rotate (torch) + bnb, and to bitsandbytes' dequantize)")
+    lines += ["", (f"Kernels: block_rotate on {k['tokens']} tokens × {k['width']}, cayley_neumann of that layer's "
+                   f"blocks; rotation block {k['block']}; {env['dtype']}{nf4}. Errors are relative to the torch "
+                   f"reference unless said. Peak MiB: memory allocated above the inputs during one call.")]
     if "fused_crossover" in results:
         crossover = results["fused_crossover"]
         lines += ["", (f"Fused NF4 forward + backward faster than rotate (triton) + bnb.matmul_4bit up to {crossover} "
@@ -346,11 +352,15 @@ def render(results: dict) -> str:
     if results["training"]:
         lines += ["", "| training step | step ms (median) | vs QLoRA | tokens/s | peak GiB | vs QLoRA | trainable |",
                   "|---|---|---|---|---|---|---|"]
-        qlora = next((r for r in results["training"] if r["method"].startswith("QLoRA")), results["training"][-1])
+        # A run cut short may lack the QLoRA row (it runs last): then there are no ratios, rather than wrong ones.
+        qlora = next((r for r in results["training"] if r["method"].startswith("QLoRA")), None)
+
+        def ratio(r, key):
+            return "—" if qlora is None else f"{r[key] / qlora[key]:.3f}×"
+
         for r in results["training"]:
-            lines.append(f"| {r['method']} | {r['step_ms']:.1f} | {r['step_ms'] / qlora['step_ms']:.3f}× | "
-                         f"{r['tokens_per_s']:,.0f} | {r['peak_gib']:.2f} | "
-                         f"{r['peak_gib'] / qlora['peak_gib']:.3f}× | {r['trainable']:,} |")
+            lines.append(f"| {r['method']} | {r['step_ms']:.1f} | {ratio(r, 'step_ms')} | {r['tokens_per_s']:,.0f} | "
+                         f"{r['peak_gib']:.2f} | {ratio(r, 'peak_gib')} | {r['trainable']:,} |")
         lines += ["", (f"Training: Llama-shaped {results['training'][0]['params'] / 1e9:.2f}B parameters "
                   f"(random weights, NF4 + double quant, {env['dtype']} compute), batch {k['batch']}×{k['seq']}, "
                   f"median of {k['steps']} steps after {k['warmup']} warm-up steps.")]
@@ -424,7 +434,9 @@ def main(argv=None) -> dict:
         results["fused_max_tokens"] = FUSED_NF4_MAX_TOKENS
         save()
         if not args.skip_training:
-            results["training"] = bench_training(cfg, device, dtype, args.dry_run)
+            for row in bench_training(cfg, device, dtype, args.dry_run):
+                results["training"].append(row)
+                save()
     save()
     (args.out / "gpu_results.md").write_text(render(results))
     print(render(results))

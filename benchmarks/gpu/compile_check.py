@@ -24,7 +24,7 @@ from pathlib import Path
 
 H200_MULTIPROCESSORS = 132
 SM90_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
-INT_ARGS = ("T", "N", "K", "B", "n", "n_tiles", "n_tiles_n", "QBLOCK", "QBLOCK2")
+INT_ARGS = ("T", "N", "K", "B", "n", "n_tiles", "n_tiles_n")
 
 
 def _configs():
@@ -51,7 +51,8 @@ def _configs():
                 types = {"x_ptr": f"*{dtype}", "r_ptr": "*fp32", "w_ptr": "*u8",
                          "absmax_ptr": "*u8" if nested else "*fp32", "code_ptr": "*fp32", "absmax2_ptr": "*fp32",
                          "code2_ptr": "*fp32", "offset": "fp32", "bias_ptr": f"*{dtype}", "y_ptr": f"*{dtype}"}
-                const = {"NESTED": nested, "SCALE_PER_COL": per_col, "HAS_BIAS": True, "HALF_DOT": half,
+                const = {"QBLOCK": 64, "QBLOCK2": 256 if nested else 1, "NESTED": nested, "SCALE_PER_COL": per_col,
+                         "HAS_BIAS": True, "HALF_DOT": half,
                          "PRECISION": precision, "BLOCK_T": tile_t, "BLOCK_N": tile_n, "BB": bb}
                 label = f"nf4_rotate_matmul {dtype} b≤{bb} {tile_t}×{tile_n}/{tile_warps}w nested={nested} per_col={per_col}"
                 yield (label, fused._rotate_dequant_matmul_kernel, types, const,
@@ -60,7 +61,8 @@ def _configs():
             types = {"w_ptr": "*u8", "absmax_ptr": "*u8" if nested else "*fp32", "code_ptr": "*fp32",
                      "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset": "fp32", "out_ptr": f"*{dtype}"}
             yield (f"nf4_dequantize {dtype} nested={nested}", dequant._dequantize_4bit_kernel, types,
-                   {"NESTED": nested, "BLOCK": 1024}, {"num_warps": 4})
+                   {"QBLOCK": 64, "QBLOCK2": 256 if nested else 1, "NESTED": nested, "BLOCK": 1024},
+                   {"num_warps": 4, "enable_fp_fusion": False})
         for tile in (16, 32, 64):
             yield (f"block_rotate mm {dtype} tile {tile}", rotate._block_mm_kernel,
                    {"a_ptr": f"*{dtype}", "m_ptr": "*fp32", "c_ptr": f"*{dtype}"},

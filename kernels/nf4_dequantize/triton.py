@@ -18,8 +18,8 @@ from kernels.nf4_dequantize.reference import kernel_quant_state, packed_bytes
 
 @triton.jit
 def _dequantize_4bit_kernel(
-    w_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset, out_ptr, n, QBLOCK, QBLOCK2,
-    NESTED: tl.constexpr, BLOCK: tl.constexpr,
+    w_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset, out_ptr, n,
+    QBLOCK: tl.constexpr, QBLOCK2: tl.constexpr, NESTED: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # int64: a 4-bit weight can pass 2³¹ elements (e.g. a 128k-vocabulary head), where int32 offsets wrap.
@@ -60,9 +60,11 @@ def dequantize_4bit(weight: torch.Tensor, quant_state, dtype: torch.dtype | None
     qs = kernel_quant_state(quant_state, weight.device)
     # The interpreter runs each program as numpy calls: few large programs are fastest there.
     block = min(next_pow2(n), 1 << 16) if INTERPRETED else 1024
-    launch = {} if INTERPRETED else {"num_warps": 4}
+    # No FMA contraction: the nested scale code2 * absmax2 + offset must round like bitsandbytes' (multiply, then
+    # add) for the result to be bit-exact; this kernel is memory-bound, so the extra instruction costs nothing.
+    launch = {} if INTERPRETED else {"num_warps": 4, "enable_fp_fusion": False}
     _dequantize_4bit_kernel[(triton.cdiv(n, block),)](
-        packed_bytes(weight), qs.absmax, qs.code, qs.absmax2, qs.code2, qs.offset, out, n, qs.blocksize,
-        qs.blocksize2, NESTED=qs.nested, BLOCK=block, **launch,
+        packed_bytes(weight), qs.absmax, qs.code, qs.absmax2, qs.code2, qs.offset, out, n,
+        QBLOCK=qs.blocksize, QBLOCK2=qs.blocksize2, NESTED=qs.nested, BLOCK=block, **launch,
     )
     return out

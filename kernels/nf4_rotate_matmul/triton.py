@@ -21,8 +21,8 @@ from kernels.nf4_dequantize.reference import kernel_quant_state, packed_bytes
 @triton.jit
 def _rotate_dequant_matmul_kernel(
     x_ptr, r_ptr, w_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset, bias_ptr, y_ptr,
-    T, N, K, B, stride_xt, stride_rb, stride_yt, QBLOCK, QBLOCK2,
-    NESTED: tl.constexpr, SCALE_PER_COL: tl.constexpr, HAS_BIAS: tl.constexpr, HALF_DOT: tl.constexpr,
+    T, N, K, B, stride_xt, stride_rb, stride_yt,
+    QBLOCK: tl.constexpr, QBLOCK2: tl.constexpr, NESTED: tl.constexpr, SCALE_PER_COL: tl.constexpr, HAS_BIAS: tl.constexpr, HALF_DOT: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BB: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
@@ -82,18 +82,19 @@ INTERPRETED = type(_rotate_dequant_matmul_kernel).__name__ == "InterpretedFuncti
 
 
 # GPU tiles per rotation-block tile, chosen by compiling every candidate for sm_90 with Triton's ptxas
-# (benchmarks/gpu/compile_check.py): the largest tiles that fit shared memory (227 KB) without spilling registers.
+# (benchmarks/gpu/compile_check.py): the largest tiles that fit shared memory (227 KB) with the fewest spills.
 # A [BB, BB] fp32 rotation block lives in registers next to the accumulator, so tiles shrink as BB grows; fp32 inputs
 # (fp32 tiles, exact dots) need smaller tiles than bf16/fp16. These are the tiles for many tokens; fit_tiles
 # shrinks them for few. Untimed until a GPU run (benchmarks/gpu/run_all.sh).
-#   (BB, half inputs) -> (BLOCK_T, BLOCK_N, num_stages, num_warps)      shared KB, spilled bytes per thread
+#   (BB, half inputs) -> (BLOCK_T, BLOCK_N, num_stages, num_warps)   shared KB, spilled bytes per thread with one
+#   scale per column (the usual case) / with per-element scales, as docs/benchmarks/kernels_sm90.md last measured
 _GPU_LAUNCH = {
-    (32, True): (128, 128, 3, 8),  # 54 KB, 0
-    (32, False): (64, 128, 3, 8),  # 82 KB, 0
-    (64, True): (64, 128, 2, 8),  # 81 KB, 0   (128 × 128 spills 224 B)
-    (64, False): (32, 64, 2, 8),  # 64 KB, 24
-    (128, True): (16, 64, 1, 8),  # 64 KB, 104 (every 128-wide candidate spills)
-    (128, False): (32, 64, 1, 8),  # 80 KB, ~7.9 KB: fp32 with 128-wide blocks is slow; prefer bf16 compute
+    (32, True): (128, 128, 3, 8),  # 54 KB, 0 / 0
+    (32, False): (64, 128, 3, 8),  # 82 KB, 0 / 0
+    (64, True): (64, 128, 2, 8),  # 81 KB, 0 / 56-112   (128 × 128 spilled 224 B with one scale per column)
+    (64, False): (32, 64, 2, 8),  # 64 KB, 24-32 / 0
+    (128, True): (16, 64, 1, 8),  # 64 KB, 56-128 (every 128-wide candidate spills)
+    (128, False): (32, 64, 1, 8),  # 80 KB, ~8 KB: fp32 with 128-wide blocks is slow; prefer bf16 compute
 }
 
 
@@ -147,8 +148,8 @@ def rotate_dequant_matmul(x2: torch.Tensor, rotation: torch.Tensor, weight: torc
         x2, rotation, packed_bytes(weight), qs.absmax, qs.code, qs.absmax2, qs.code2, qs.offset,
         bias if bias is not None else y, y,
         tokens, n, k, b, x2.stride(0), b * b if rotation.shape[0] > 1 else 0, y.stride(0),
-        qs.blocksize, qs.blocksize2,
-        NESTED=qs.nested, SCALE_PER_COL=k % qs.blocksize == 0 and qs.blocksize % b == 0, HAS_BIAS=bias is not None,
+        # Block sizes as constexpr: divisions by them compile to shifts (they are powers of two).
+        QBLOCK=qs.blocksize, QBLOCK2=qs.blocksize2, NESTED=qs.nested, SCALE_PER_COL=k % qs.blocksize == 0 and qs.blocksize % b == 0, HAS_BIAS=bias is not None,
         HALF_DOT=half_dot, PRECISION=dot_precision(x2, rotation), BLOCK_T=block_t, BLOCK_N=block_n, BB=bb, **launch,
     )
     return y

@@ -64,3 +64,16 @@ def test_shape_mismatch_raises(quantize):
     _, packed, state = quantize((32, 64), torch.float32, "nf4", False)
     with pytest.raises(ValueError, match="does not match input width"):
         ops.nf4_rotate_matmul(torch.randn(2, 48), torch.eye(16)[None], packed, state)
+
+
+def test_layers_the_fused_kernel_cannot_take_are_refused_when_forced():
+    assert ops.nf4_kernel_unfit(32, (4096, 4096)) == ""
+    assert "rotation blocks up to" in ops.nf4_kernel_unfit(256, (4096, 4096))
+    assert "2³¹" in ops.nf4_kernel_unfit(32, (65536, 65536))  # int32 offsets would wrap
+
+    class HugeState:  # only the shape is read before the refusal
+        shape = (65536, 65536)
+
+    with pytest.raises(ValueError, match="cannot run this layer"):
+        ops.nf4_rotate_matmul(torch.zeros(1, 65536), torch.eye(32)[None], torch.zeros(1, dtype=torch.uint8),
+                              HugeState(), impl="triton")

@@ -56,3 +56,16 @@ def test_gpu_benchmark_dry_run_without_bitsandbytes(tmp_path):
     assert ops == {"block_rotate", "cayley_neumann"} and results["training"] == []
     section = (tmp_path / "gpu_results.md").read_text()
     assert "bitsandbytes was not installed" in section and "| cayley_neumann" in section
+
+
+def test_fused_crossover_is_the_last_win_before_the_first_loss():
+    from benchmarks.gpu.bench import fused_crossover
+
+    def sweep(times):  # {tokens: (fused ms, unfused ms)}
+        return [{"op": f"nf4_rotate_matmul, {t} tokens", "impl": impl, "fwd_bwd_ms": ms}
+                for t, pair in times.items()
+                for impl, ms in zip(("fused nf4_rotate_matmul (triton)", "rotate (triton) + bnb.matmul_4bit"), pair)]
+
+    assert fused_crossover(sweep({16: (1, 2), 256: (1, 2), 1024: (3, 2), 4096: (1, 2)})) == 256
+    assert fused_crossover(sweep({16: (3, 2), 256: (1, 2)})) is None
+    assert fused_crossover(sweep({4096: (1, 2), 16: (1, 2)})) == 4096
