@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -18,13 +19,28 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = Path(os.environ.get("PEFTPLUG_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
 
+# Where the kernel and QOFT tests run. By default on CPU, the Triton kernels through Triton's interpreter: Triton
+# reads TRITON_INTERPRET when a kernel is decorated, i.e. at the first import of a kernels/*/triton.py module, and
+# those are imported lazily, so setting it here, before any test module is collected, is early enough for the
+# single-process suite (tests/kernels/conftest.py explains the one catch). On a CUDA machine
+# PEFTPLUG_KERNELS_ON_GPU=1 (benchmarks/gpu/run_all.sh sets it) runs them on the GPU with compiled kernels, and
+# the QOFT models are quantized there by bitsandbytes' CUDA kernels.
+ON_GPU = os.environ.get("PEFTPLUG_KERNELS_ON_GPU") == "1" and torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture
+def device() -> str:
+    """Where the kernels and quantized models under test live: ``cuda`` with ``PEFTPLUG_KERNELS_ON_GPU=1``, else
+    ``cpu`` (Triton interpreter)."""
+    return "cuda" if ON_GPU else "cpu"
+
 
 @pytest.fixture(autouse=True)
 def _single_thread():
     """One intra-op thread for the suite's small tensors: on a loaded 2-core machine OpenMP's thread handoff made
     tiny quantize/merge ops ~50x slower (measured 23 s vs 0.4 s for one merge round trip). Restored afterwards."""
-    import torch
-
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -1,32 +1,16 @@
-"""Kernel tests run the Triton kernels on CPU through the Triton interpreter.
+"""Kernel tests run the Triton kernels on CPU through the Triton interpreter (``TRITON_INTERPRET=1``, set by
+tests/conftest.py at import) or, with ``PEFTPLUG_KERNELS_ON_GPU=1`` on a CUDA machine, compiled on the GPU; the
+``device`` fixture says which.
 
-Triton reads ``TRITON_INTERPRET`` when a kernel is *decorated*, i.e. when a ``kernels/*/triton.py`` module is
-first imported. Those modules are imported lazily (only by ``kernels.ops`` dispatch and these tests), and pytest
-imports this conftest while collecting, before any test runs, so setting the variable here at import is early
-enough even when the whole suite runs in one process. Triton itself is usually imported earlier (peft imports
-it), which decorates Triton's own ``@jit`` helpers (``tl.zeros``, ``tl.sum``, ...) for the GPU: our kernels use
-builtins only (``tl.full`` instead of ``tl.zeros``), and test_kernels_dispatch.py checks that order. On a CUDA machine set ``PEFTPLUG_KERNELS_ON_GPU=1`` to
-test the compiled kernels on the GPU instead (benchmarks/gpu/run_all.sh does).
+The catch: Triton itself is usually imported before our kernels (peft imports it), which decorates Triton's own
+``@jit`` helpers (``tl.zeros``, ``tl.sum``, ...) for the GPU: our kernels use builtins only (``tl.full`` instead of
+``tl.zeros``), and test_kernels_dispatch.py checks that order.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-ON_GPU = os.environ.get("PEFTPLUG_KERNELS_ON_GPU") == "1" and torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-DEVICE = "cuda" if ON_GPU else "cpu"
-
-
-@pytest.fixture
-def device() -> str:
-    """Where the kernels under test run: CUDA when ``PEFTPLUG_KERNELS_ON_GPU=1``, else CPU (interpreter)."""
-    return DEVICE
 
 
 @pytest.fixture

@@ -1,28 +1,11 @@
-"""Fixtures for the QOFT tests: tiny Llama checkpoints loaded through transformers' bitsandbytes integration.
-
-The fused-kernel test runs Triton's interpreter on CPU, which must be enabled before the kernel modules are first
-imported (see tests/kernels/conftest.py): set it here too, so this directory also works on its own.
+"""Fixtures for the QOFT tests: tiny Llama checkpoints loaded through transformers' bitsandbytes integration, on
+the ``device`` of tests/conftest.py (CPU with the Triton interpreter, or CUDA with ``PEFTPLUG_KERNELS_ON_GPU=1``).
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-# On a CUDA machine PEFTPLUG_KERNELS_ON_GPU=1 (benchmarks/gpu/run_all.sh sets it) runs these tests on the GPU:
-# models are quantized there by bitsandbytes' CUDA kernels and the fused path uses compiled Triton kernels.
-ON_GPU = os.environ.get("PEFTPLUG_KERNELS_ON_GPU") == "1" and torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-DEVICE = "cuda" if ON_GPU else "cpu"
-
-
-@pytest.fixture
-def device() -> str:
-    """Where the quantized models of these tests live: ``cuda`` with ``PEFTPLUG_KERNELS_ON_GPU=1``, else ``cpu``."""
-    return DEVICE
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +19,7 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture
-def load_quantized(tiny_checkpoint):
+def load_quantized(tiny_checkpoint, device):
     """Factory: ``load_quantized(bits=4, quant_type="nf4", double_quant=False, compute_dtype=torch.float32)``."""
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -49,16 +32,16 @@ def load_quantized(tiny_checkpoint):
         else:
             qconfig = BitsAndBytesConfig(load_in_8bit=True)
         logging.disable_progress_bar()
-        return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, quantization_config=qconfig, device_map=DEVICE)
+        return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, quantization_config=qconfig, device_map=device)
 
     return load
 
 
 @pytest.fixture
-def batch():
+def batch(device):
     """Fixed token ids for the char-vocabulary tiny models."""
     ids = torch.randint(4, 90, (2, 16), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids.to(DEVICE)}
+    return {"input_ids": ids.to(device)}
 
 
 def randomize_q(model, std: float, seed: int = 0) -> None:
