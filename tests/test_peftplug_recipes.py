@@ -42,15 +42,10 @@ def test_recipe_parses(recipe):
     assert recipe.read_text().lstrip().startswith("#"), f"{recipe.name} needs a comment header"
 
 
-def test_quickstart_pipeline_runs_on_a_tiny_model(tmp_path, capsys):
+def test_quickstart_pipeline_runs_on_a_tiny_model(tmp_path, capsys, tiny_recipe_args):
     """The quickstart recipe with a tiny BERT and a few articles: fit, then the held-out line comes last."""
-    recipe = RECIPE_DIR / "quickstart.yaml"
-    args = ["fit", "--config", str(recipe), "--model.model", "tiny:bert", "--trainer.max_steps", "2",
-            "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(tmp_path),
-            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-            "--data.init_args.n_train", "32", "--data.init_args.n_val", "8", "--data.init_args.n_test", "8",
-            "--data.init_args.max_length", "32"]
-    run = cli(args)
+    run = cli(tiny_recipe_args("quickstart.yaml", tmp_path, 2, "--trainer.max_epochs", "1",
+                               "--data.init_args.max_length", "32", bbc_subset=True))
     assert run.trainer.global_step == 2
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("held-out accuracy: ")

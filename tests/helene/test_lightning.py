@@ -146,19 +146,12 @@ def test_ddp_two_processes_equal_one_process_over_the_global_batch(tiny_model, t
     assert max((a - b).abs().max().item() for a, b in zip(r0["params"], init)) > 1e-3
 
 
-def test_offline_recipe_fits_with_helene_on_a_tiny_model(tmp_path, capsys):
+def test_offline_recipe_fits_with_helene_on_a_tiny_model(tmp_path, capsys, tiny_recipe_args):
     """recipes/helene/minilm_bbcnews_lora.yaml end to end (tiny BERT, few articles): Helene from class_path."""
-    from pathlib import Path
-
     from peftplug.cli import cli
 
-    recipe = Path(__file__).resolve().parents[2] / "recipes" / "helene" / "minilm_bbcnews_lora.yaml"
-    args = ["fit", "--config", str(recipe), "--model.model", "tiny:bert", "--trainer.max_steps", "3",
-            "--trainer.val_check_interval", "3", "--trainer.default_root_dir", str(tmp_path),
-            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-            "--data.init_args.n_train", "32", "--data.init_args.n_val", "8", "--data.init_args.n_test", "8",
-            "--data.init_args.max_length", "32"]
-    run = cli(args)
+    run = cli(tiny_recipe_args("helene/minilm_bbcnews_lora.yaml", tmp_path, 3, "--trainer.val_check_interval", "3",
+                               "--data.init_args.max_length", "32", bbc_subset=True))
     opt = run.trainer.optimizers[0]
     assert isinstance(opt, Helene) and opt.step_count == 3 and run.trainer.global_step == 3
     assert all(g["lam"] == 1.0 for g in opt.param_groups) and len(opt.param_groups) > 1  # layerwise: tensor

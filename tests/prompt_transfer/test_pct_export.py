@@ -185,24 +185,20 @@ def test_pct_through_peftplug_lightning_module(tiny_model, tokenizer, tmp_path):
         torch.testing.assert_close(vanilla(**batch).logits, live, atol=1e-6, rtol=1e-6)
 
 
-def test_pct_target_recipe_fits_through_the_cli(tmp_path, data_dir):
+def test_pct_target_recipe_fits_through_the_cli(tmp_path, data_dir, tiny_recipe_args):
     """recipes/prompt_transfer/minilm_target_rte_pct.yaml through `peftplug fit` on a tiny BERT (2 steps)."""
     cli = pytest.importorskip("peftplug.cli")
-    from pathlib import Path
 
     dec = pt.decompose({"a": torch.randn(8, 64), "b": torch.randn(8, 64)}, contrastive_steps=5)
     pt.save_decomposition(dec, str(tmp_path / "dec"))
-    recipe = Path(__file__).resolve().parents[2] / "recipes" / "prompt_transfer" / "minilm_target_rte_pct.yaml"
     rte = data_dir / "k-shot" / "RTE"
-    run = cli.cli([
-        "fit", "--config", str(recipe), "--model.model", "tiny:bert", "--trainer.max_steps", "2",
-        "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(tmp_path / "run"),
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+    run = cli.cli(tiny_recipe_args(
+        "prompt_transfer/minilm_target_rte_pct.yaml", tmp_path / "run", 2, "--trainer.max_epochs", "1",
         "--model.peft.init_args.decomposition_path", str(tmp_path / "dec"),
         "--data.init_args.train_file", str(rte / "16-13" / "train.tsv"),
         "--data.init_args.validation_file", str(rte / "16-13" / "dev.tsv"),
         "--data.init_args.test_file", str(rte / "16-13" / "dev.tsv"), "--data.init_args.max_length", "32",
-    ])
+    ))
     assert run.trainer.global_step == 2
     attn = pt.attention_weights(run.model.model)
     assert set(attn) == {"a", "b"} and sum(attn.values()) == pytest.approx(1.0, abs=1e-6)
