@@ -145,8 +145,6 @@ def export_main(argv: Sequence[str]) -> int:
     Args:
         argv: Arguments after ``export``.
     """
-    from peftplug.errors import MissingFileError
-
     parser = argparse.ArgumentParser(
         prog="peftplug export",
         description="Write a PEFT adapter directory (default) or a merged full model from a peftplug checkpoint.",
@@ -156,12 +154,9 @@ def export_main(argv: Sequence[str]) -> int:
     parser.add_argument("--merge", action="store_true", help="merge the adapter into the base (merge_and_unload)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output directory")
     args = parser.parse_args(list(argv))
-    if not Path(args.ckpt_path).is_file():
-        raise MissingFileError(f"checkpoint {args.ckpt_path!r} does not exist")
-    import_method_packages()
-    from peftplug.lightning import PeftModule
+    from peftplug.checkpoints import load_checkpoint_module
 
-    module = PeftModule.load_from_checkpoint(args.ckpt_path, map_location="cpu", weights_only=False)
+    module = load_checkpoint_module(args.ckpt_path, map_location="cpu")
     path = module.export(args.output, merge=args.merge, overwrite=args.overwrite)
     print(f"wrote {'merged model' if args.merge else 'adapter'} to {path}")
     return 0

@@ -20,7 +20,11 @@ class MissingFileError(PeftplugError, FileNotFoundError):
 
 
 class DataError(PeftplugError, ValueError):
-    """The data does not fit the settings (a missing column, an unknown label, an empty split)."""
+    """The data does not fit the settings (a missing column, an unknown label, an empty split, a malformed row)."""
+
+
+class CheckpointError(PeftplugError, ValueError):
+    """A checkpoint or adapter folder is not what was expected; the message names the file and what was expected."""
 
 
 def one_line(message: str, limit: int = 400) -> str:

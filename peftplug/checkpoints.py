@@ -1,0 +1,266 @@
+"""Reading peftplug checkpoints and PEFT adapter folders safely, with one-line errors that name the file.
+
+A checkpoint is a user-supplied file, and ``torch.load`` of a pickle can run arbitrary code. So checkpoints are
+only ever loaded with ``weights_only=True``, allowing exactly the Python objects our checkpoints contain beyond
+tensors and plain containers (see :data:`SAFE_GLOBALS`). Before PEFT or Lightning sees a file, it is checked here
+so that a wrong file gives a :class:`peftplug.errors.CheckpointError` saying which file and what was expected,
+rather than an error from deep inside the unpickler (``invalid literal for int() with base 10``).
+
+- :func:`read_checkpoint`: the checked checkpoint dict of a ``peftplug fit`` checkpoint.
+- :func:`load_checkpoint_module`: the :class:`peftplug.lightning.PeftModule` of such a checkpoint.
+- :func:`check_adapter_dir`: a PEFT adapter folder has ``adapter_config.json`` and a readable, complete
+  ``adapter_model.safetensors``.
+
+The module imports nothing heavy at import time (torch, PEFT and Lightning are imported by the functions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from peftplug.errors import CheckpointError, MissingFileError, PeftplugError, one_line
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+_EXPECTED_CKPT = "expected a .ckpt file written by `peftplug fit`"
+
+
+def safe_globals() -> list[Any]:
+    """The classes, beyond torch's defaults, that ``weights_only`` loading of a peftplug checkpoint may create.
+
+    A checkpoint's ``hyper_parameters`` hold the ``PeftModule`` arguments. From ``peftplug fit`` these are plain
+    values, but a module built in Python with ``peft={"peft_type": PeftType.LORA, "task_type": TaskType.CAUSAL_LM,
+    ...}`` keeps PEFT's enums there (plain ``str`` enums, safe to rebuild by value). Nothing else is needed: the
+    tests load real checkpoints from ``peftplug fit`` (first-order and zeroth-order optimizers, LR schedulers,
+    data modules that save hyperparameters) with exactly this list.
+    """
+    from peft.utils.peft_types import PeftType, TaskType
+
+    return [PeftType, TaskType]
+
+
+def _not_a_checkpoint(path: Path, err: BaseException) -> CheckpointError:
+    """Explains why ``torch.load`` could not read ``path``, from the file's own bytes where possible."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as os_err:
+        return CheckpointError(f"checkpoint {str(path)!r} cannot be read: {os_err.strerror}")
+    if head.startswith(b"PK"):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except (zipfile.BadZipFile, OSError):
+            return CheckpointError(
+                f"checkpoint {str(path)!r} is truncated or damaged (its zip archive cannot be read); {_EXPECTED_CKPT}"
+            )
+        if not any(name.endswith("data.pkl") for name in names):
+            return CheckpointError(f"checkpoint {str(path)!r} is a zip archive but not a PyTorch checkpoint "
+                                   f"(no data.pkl); {_EXPECTED_CKPT}")
+    elif not head.startswith(b"\x80"):  # neither torch's zip format nor a legacy pickle (protocol >= 2)
+        return CheckpointError(f"checkpoint {str(path)!r} is not a PyTorch checkpoint; {_EXPECTED_CKPT}")
+    if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):
+        # torch names the global in "Unsupported global: GLOBAL module.Class was not an allowed global ..."
+        detail = str(err).split("Unsupported global:", 1)[1].split(" was not", 1)[0].replace("GLOBAL", "").strip()
+        return CheckpointError(
+            f"checkpoint {str(path)!r} contains Python objects that peftplug does not unpickle ({detail}): it was "
+            f"not written by `peftplug fit`, and loading it fully could run code from the file; {_EXPECTED_CKPT}"
+        )
+    return CheckpointError(f"checkpoint {str(path)!r} cannot be read ({one_line(err, 200)}); {_EXPECTED_CKPT}")
+
+
+def read_checkpoint(ckpt_path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> dict:
+    """Loads a ``peftplug fit`` checkpoint with ``weights_only=True`` and checks that it is one.
+
+    Args:
+        ckpt_path: The ``.ckpt`` file.
+        map_location: Passed to ``torch.load``.
+        mmap: Memory-map the tensors instead of reading them (for a quick look at the metadata).
+
+    Returns:
+        The checkpoint dict; ``checkpoint["peftplug"]`` holds the adapter-only format and task, and
+        ``checkpoint["hyper_parameters"]`` the ``PeftModule`` arguments (``model`` is a name or path).
+
+    Raises:
+        MissingFileError: If the file does not exist.
+        CheckpointError: If the file is not a PyTorch checkpoint (garbage, a foreign zip, truncated), contains
+            objects outside :func:`safe_globals`, is not a Lightning checkpoint, or is a Lightning checkpoint of
+            another module than peftplug's ``PeftModule``.
+    """
+    import torch
+
+    from peftplug.lightning import CHECKPOINT_FORMAT, CHECKPOINT_KEY
+
+    path = Path(ckpt_path).expanduser()
+    if path.is_dir():
+        hint = " (it looks like an adapter folder)" if (path / ADAPTER_CONFIG).is_file() else ""
+        raise CheckpointError(f"checkpoint {str(path)!r} is a directory{hint}; {_EXPECTED_CKPT}")
+    if not path.is_file():
+        raise MissingFileError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        with torch.serialization.safe_globals(safe_globals()):
+            checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    # torch.load of arbitrary bytes fails in many ways (UnpicklingError, RuntimeError from the zip reader, EOFError,
+    # ValueError from the legacy format's magic number, ...); all mean "this file is not a checkpoint".
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, UnicodeDecodeError,
+            zipfile.BadZipFile) as err:
+        raise _not_a_checkpoint(path, err) from err
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise CheckpointError(f"checkpoint {str(path)!r} is a PyTorch file but not a Lightning checkpoint "
+                              f"(no 'state_dict'); {_EXPECTED_CKPT}")
+    meta = checkpoint.get(CHECKPOINT_KEY)
+    if not isinstance(meta, dict):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is a Lightning checkpoint but not a peftplug adapter checkpoint "
+            f"(no {CHECKPOINT_KEY!r} entry, so it was not written by peftplug's PeftModule); {_EXPECTED_CKPT}"
+        )
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"checkpoint {str(path)!r} has format {meta.get('format')!r}; this peftplug reads "
+                              f"{CHECKPOINT_FORMAT!r}")
+    hparams = checkpoint.get("hyper_parameters")
+    if not isinstance(hparams, dict) or not isinstance(hparams.get("model"), str):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} does not record the model name (hyper_parameters.model): its module was "
+            "built from a model object in Python, so the base model cannot be reloaded by name"
+        )
+    return checkpoint
+
+
+def describe_checkpoint(checkpoint: dict) -> str:
+    """A short description of what a checked checkpoint holds, e.g. ``model 'tiny:llama' with adapter LORA``.
+
+    Args:
+        checkpoint: A dict from :func:`read_checkpoint`.
+    """
+    hparams = checkpoint["hyper_parameters"]
+    peft = hparams.get("peft")
+    peft_type = getattr(peft, "peft_type", None) or (peft.get("peft_type") if isinstance(peft, dict) else None)
+    if isinstance(peft, dict) and peft_type is None and "class_path" in peft:
+        peft_type = str(peft["class_path"]).rsplit(".", 1)[-1]
+    adapter = "no adapter" if peft is None else f"adapter {getattr(peft_type, 'value', peft_type)}"
+    return f"model {hparams['model']!r} with {adapter}"
+
+
+def load_checkpoint_module(ckpt_path: str | os.PathLike, map_location: Any = "cpu") -> Any:
+    """The :class:`peftplug.lightning.PeftModule` of a ``peftplug fit`` checkpoint, base model reloaded by name.
+
+    The file is checked with :func:`read_checkpoint` first (memory-mapped, so tensors are not read twice), then
+    loaded by Lightning's ``load_from_checkpoint`` with ``weights_only=True`` and the same allowlist.
+
+    Args:
+        ckpt_path: The ``.ckpt`` file.
+        map_location: Device the adapter tensors are loaded to.
+
+    Raises:
+        MissingFileError: If the file does not exist.
+        CheckpointError: If the file is not a peftplug checkpoint (see :func:`read_checkpoint`), or its recorded
+            settings do not build the module, or its tensors do not fit the model and adapter it records (a
+            checkpoint of another model or adapter type, e.g. with edited hyperparameters or a changed model
+            folder). The message names the file.
+    """
+    import torch
+    from jsonargparse import ArgumentError
+
+    from peftplug.cli import import_method_packages
+    from peftplug.lightning import PeftModule
+
+    import_method_packages()  # registers the plugin PEFT types the checkpoint may name
+
+    path = Path(ckpt_path).expanduser()
+    described = describe_checkpoint(read_checkpoint(path, map_location="cpu", mmap=True))
+    try:
+        with torch.serialization.safe_globals(safe_globals()):
+            module = PeftModule.load_from_checkpoint(str(path), map_location=map_location, weights_only=True)
+    except MissingFileError as err:
+        raise MissingFileError(f"checkpoint {str(path)!r} ({described}): {err}") from err
+    except PeftplugError as err:
+        raise CheckpointError(f"checkpoint {str(path)!r} ({described}): {err}") from err
+    except (ArgumentError, ValueError, TypeError) as err:
+        # Lightning rebuilds the module from the recorded hyperparameters through jsonargparse: a failure there
+        # means the recorded settings are not PeftModule arguments (edited, or from another peftplug version).
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} ({described}): its recorded settings do not build a PeftModule: "
+            f"{one_line(err, 300)}"
+        ) from err
+    return module
+
+
+def _check_safetensors(path: Path) -> None:
+    """Raises CheckpointError unless ``path`` has a readable safetensors header and all the bytes it promises."""
+    size = path.stat().st_size
+    expected = "expected a complete safetensors file (as written by save_pretrained)"
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"adapter weights {str(path)!r} are truncated ({size} bytes); {expected}")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > size - 8:
+            raise CheckpointError(f"adapter weights {str(path)!r} are truncated or not safetensors (header of "
+                                  f"{header_len} bytes in a {size}-byte file); {expected}")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise CheckpointError(f"adapter weights {str(path)!r} have an unreadable header; {expected}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"adapter weights {str(path)!r} have an unreadable header; {expected}")
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise CheckpointError(f"adapter weights {str(path)!r} have an unreadable header; {expected}") from None
+    if 8 + header_len + end > size:
+        raise CheckpointError(f"adapter weights {str(path)!r} are truncated: the header promises "
+                              f"{8 + header_len + end} bytes, the file has {size}; {expected}")
+
+
+def check_adapter_dir(path: str | os.PathLike) -> Path:
+    """Checks a PEFT adapter folder before PEFT loads it; returns it as a ``Path``.
+
+    Args:
+        path: A folder written by ``save_pretrained`` / ``peftplug export``.
+
+    Returns:
+        The folder.
+
+    Raises:
+        MissingFileError: If the folder does not exist.
+        CheckpointError: If it is not a folder, has no (or an unreadable) ``adapter_config.json`` with a
+            ``peft_type``, has no adapter weights, or its ``adapter_model.safetensors`` is truncated or damaged.
+    """
+    folder = Path(path).expanduser()
+    expected = "expected an adapter folder written by save_pretrained or `peftplug export`"
+    if not folder.exists():
+        raise MissingFileError(f"adapter folder {str(folder)!r} does not exist")
+    if not folder.is_dir():
+        hint = " (a checkpoint? use `peftplug export` to turn it into a folder)" if folder.suffix == ".ckpt" else ""
+        raise CheckpointError(f"adapter {str(folder)!r} is a file, not a folder{hint}; {expected}")
+    config_path = folder / ADAPTER_CONFIG
+    if not config_path.is_file():
+        raise CheckpointError(f"adapter folder {str(folder)!r} has no {ADAPTER_CONFIG}; {expected}")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{str(config_path)!r} is not valid JSON ({one_line(err, 120)}); {expected}") from None
+    if not isinstance(config, dict) or "peft_type" not in config:
+        raise CheckpointError(f"{str(config_path)!r} has no 'peft_type'; {expected}")
+    weights = [folder / name for name in ADAPTER_WEIGHTS if (folder / name).is_file()]
+    if not weights:
+        raise CheckpointError(f"adapter folder {str(folder)!r} has no {ADAPTER_WEIGHTS[0]}; {expected}")
+    if weights[0].suffix == ".safetensors":
+        _check_safetensors(weights[0])
+    return folder
+
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "check_adapter_dir",
+    "describe_checkpoint",
+    "load_checkpoint_module",
+    "read_checkpoint",
+    "safe_globals",
+]
