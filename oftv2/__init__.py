@@ -9,6 +9,8 @@ from __future__ import annotations
 from peftplug.registry import register_method
 
 from .config import OFTv2Config
+from .conv import Conv2d
+from .embedding import Embedding
 from .layer import Linear, OFTv2Layer
 from .model import OFTv2Model
 
@@ -32,6 +34,8 @@ from .interop import (
 )
 
 __all__ = [
+    "Conv2d",
+    "Embedding",
     "LayerDiagnostics",
     "Linear",
     "NeumannDivergenceWarning",

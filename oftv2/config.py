@@ -15,6 +15,7 @@ ORTHOGONALIZATIONS = ("cayley_neumann", "cayley", "peft_cn")
 NEUMANN_FORMS = ("cayley_neumann", "peft_cn")
 BIAS_CHOICES = ("none", "all", "oftv2_only")
 KERNEL_IMPLS = ("auto", "torch", "triton")
+CONV_EVALUATIONS = ("weight", "input")
 MAX_NEUMANN_TERMS = 64
 DEFAULT_BLOCK_SIZE = 32
 
@@ -46,6 +47,10 @@ class OFTv2Config(PeftConfig):
         init_weights: ``True`` initialises ``Q = 0`` (``R = I``: the adapted model equals the base model);
             ``False`` draws ``Q`` entries from N(0, 0.1^2) (for tests and debugging only).
         kernel_impl: ``"auto"`` (Triton on CUDA when available, else pure torch), ``"torch"`` or ``"triton"``.
+        conv_evaluation: How ``nn.Conv2d`` layers apply ``R`` (both compute the same function): ``"weight"``
+            (default; convolve with ``W Rᵀ``, rebuilt each step: a conv's weight is small next to its
+            activations, measured faster on CPU, see docs/oftv2.md) or ``"input"`` (rotate the unfolded input
+            patches, then one matmul with the frozen weight; needs k² times the input's memory).
         target_modules: Module names (list: exact or suffix match; str: regex) or ``"all-linear"``.
         exclude_modules: Module names (same matching rules) never to adapt.
         layers_to_transform: Layer indices to adapt (int or list of non-negative ints).
@@ -72,6 +77,9 @@ class OFTv2Config(PeftConfig):
     init_weights: bool = field(default=True, metadata={"help": "Q = 0 at init (identity rotation)."})
     kernel_impl: Literal["auto", "torch", "triton"] = field(
         default="auto", metadata={"help": "Kernel choice."}
+    )
+    conv_evaluation: Literal["weight", "input"] = field(
+        default="weight", metadata={"help": f"Conv2d evaluation, one of {CONV_EVALUATIONS}."}
     )
     target_modules: list[str] | str | None = field(
         default=None, metadata={"help": "Module names or regex to adapt, or 'all-linear'."}
@@ -155,6 +163,10 @@ class OFTv2Config(PeftConfig):
             raise ValueError(
                 "`kernel_impl`='triton' needs a Neumann orthogonalization: the exact 'cayley' form uses a linear "
                 "solve and has no Triton kernel (use kernel_impl='auto')"
+            )
+        if self.conv_evaluation not in CONV_EVALUATIONS:
+            raise ValueError(
+                f"`conv_evaluation` must be one of {CONV_EVALUATIONS}, got {self.conv_evaluation!r}"
             )
         if self.bias not in BIAS_CHOICES:
             raise ValueError(f"`bias` must be one of {BIAS_CHOICES}, got {self.bias!r}")

@@ -7,12 +7,16 @@ Conventions (row vectors, PyTorch weight layout ``W``: out × in, ``y = x Wᵀ +
               made ``R`` slightly non-orthogonal.
 Several active adapters compose as successive rotations in ``active_adapters`` order:
 ``y = base_layer(x R₁ R₂ … Rₙ)``, hence a merge folds them in as ``W Rₙᵀ … R₁ᵀ``.
+
+This module holds the shared layer state (:class:`OFTv2Layer`) and the ``nn.Linear`` / GPT-2 ``Conv1D`` layer;
+``oftv2.conv`` (``nn.Conv2d``) and ``oftv2.embedding`` (``nn.Embedding``, rotation on the output) build on it.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +41,8 @@ class RotationSettings:
         max_q_norm: Frobenius-norm bound per skew block, or ``None``.
         block_share: Whether one block is shared across the width.
         impl: Kernel implementation (``"auto"``, ``"torch"``, ``"triton"``).
+        conv_evaluation: How a ``Conv2d`` layer applies the rotation (``"weight"`` or ``"input"``, see
+            ``oftv2.conv``); other layer types ignore it.
     """
 
     form: str
@@ -45,6 +51,7 @@ class RotationSettings:
     max_q_norm: float | None
     block_share: bool
     impl: str
+    conv_evaluation: str = "weight"
 
 
 def valid_block_sizes(width: int) -> list[int]:
@@ -56,7 +63,9 @@ def valid_block_sizes(width: int) -> list[int]:
     return [b for b in range(2, width + 1) if width % b == 0]
 
 
-def resolve_block_size(width: int, block_size: int | None, r: int | None, layer_name: str = "") -> int:
+def resolve_block_size(
+    width: int, block_size: int | None, r: int | None, layer_name: str = "", width_label: str = "input width"
+) -> int:
     """The block size a layer of input ``width`` gets from a config's ``block_size`` or ``r``.
 
     Args:
@@ -64,6 +73,7 @@ def resolve_block_size(width: int, block_size: int | None, r: int | None, layer_
         block_size: Requested block size, or ``None`` when ``r`` is given.
         r: Requested number of blocks, or ``None``.
         layer_name: Used in the error message.
+        width_label: What the width is, for the error message (e.g. a conv's flattened filter width).
 
     Raises:
         ValueError: If the width is not divisible as requested; lists the valid values.
@@ -72,16 +82,31 @@ def resolve_block_size(width: int, block_size: int | None, r: int | None, layer_
     if block_size is not None:
         if width % block_size != 0:
             raise ValueError(
-                f"block_size={block_size} does not divide the input width {width}{where}; "
+                f"block_size={block_size} does not divide the {width_label} {width}{where}; "
                 f"valid block sizes: {valid_block_sizes(width)} (or exclude the layer via exclude_modules)"
             )
         return block_size
     if r is None or width % r != 0 or width // r < 2:
         raise ValueError(
-            f"r={r} blocks do not split the input width {width}{where} into equal blocks of size >= 2; "
+            f"r={r} blocks do not split the {width_label} {width}{where} into equal blocks of size >= 2; "
             f"valid r: {[width // b for b in valid_block_sizes(width)]}"
         )
     return width // r
+
+
+def rotate_weight(weight: torch.Tensor, rotation: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """``W Rᵀ`` block-wise over the last dimension of ``weight`` (differentiable; the weight-centric product).
+
+    ``x (W Rᵀ)ᵀ = (x R) Wᵀ``, so a layer that multiplies by the rotated weight computes what the input-centric
+    forward computes.
+
+    Args:
+        weight: ``[out, n_blocks * b]``.
+        rotation: ``[n_blocks, b, b]`` or ``[1, b, b]`` (shared block).
+        impl: Kernel implementation (``"auto"``, ``"torch"``, ``"triton"``).
+    """
+    # Row i of W Rᵀ is (row i of W) Rᵀ: the block rotation of the rows by the transposed blocks.
+    return ops.block_rotate(weight, rotation.transpose(-1, -2), impl=impl)
 
 
 def bound_q(q_vec: torch.Tensor, max_q_norm: float | None) -> torch.Tensor:
@@ -116,6 +141,11 @@ class OFTv2Layer(BaseTunerLayer):
 
     adapter_layer_names: tuple[str, ...] = ("oftv2_Q",)
     other_param_names: tuple[str, ...] = ("oftv2_block_size", "oftv2_n_blocks", "oftv2_settings")
+    # False: R acts on the layer's input and a merge computes W Rᵀ (Linear, Conv). True: R acts on the layer's
+    # output rows, y = base(x) R, and a merge computes W R (Embedding, whose weight rows are its outputs).
+    rotates_output: bool = False
+    # What rotation_width() measures, for error messages.
+    width_label: str = "input width"
 
     def __init__(self, base_layer: nn.Module, **kwargs) -> None:
         self.base_layer = base_layer
@@ -142,8 +172,11 @@ class OFTv2Layer(BaseTunerLayer):
             inference_mode: Whether the adapter is frozen.
             **kwargs: ``layer_name`` for error messages.
         """
-        b = resolve_block_size(self.in_features, config.block_size, config.r, kwargs.get("layer_name", ""))
-        n_blocks = self.in_features // b
+        width = self.rotation_width()
+        b = resolve_block_size(
+            width, config.block_size, config.r, kwargs.get("layer_name", ""), width_label=self.width_label
+        )
+        n_blocks = width // b
         rows = 1 if config.block_share else n_blocks
         self.oftv2_Q[adapter_name] = nn.Parameter(torch.zeros(rows, triangle_size(b)))
         if not config.init_weights:
@@ -158,9 +191,14 @@ class OFTv2Layer(BaseTunerLayer):
             max_q_norm=config.max_q_norm,
             block_share=config.block_share,
             impl=config.kernel_impl,
+            conv_evaluation=config.conv_evaluation,
         )
         self._move_adapter_to_device_of_base_layer(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+
+    def rotation_width(self) -> int:
+        """Width of the vectors ``R`` rotates: ``in_features`` here; a conv's flattened filter size in ``oftv2.conv``."""
+        return self.in_features
 
     # ----------------------------------------------------------------------------------------------- rotation
     def effective_q(self, adapter_name: str) -> torch.Tensor:
@@ -204,6 +242,15 @@ class OFTv2Layer(BaseTunerLayer):
             x = ops.block_rotate(x, rotation, impl=self.oftv2_settings[name].impl)
         return x
 
+    def adapters_bypassed(self) -> bool:
+        """Whether the forward must call the base layer unchanged: adapters disabled (a merged layer is unmerged
+        first, as in PEFT) or already merged into the weight."""
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return True
+        return self.merged
+
     # ----------------------------------------------------------------------------------- base weight access
     def _get_base_weight(self) -> torch.Tensor:
         """The base weight as ``out × in`` (a view when possible). Override for quantized bases."""
@@ -227,6 +274,9 @@ class OFTv2Layer(BaseTunerLayer):
     ) -> torch.Tensor:
         """``W Rᵀ`` (or the exact ``W R⁻ᵀ`` when ``inverse``), block-wise, in at least fp32.
 
+        For a layer that rotates its output (:attr:`rotates_output`) the rows are multiplied by ``R`` instead
+        (``W R``, or ``W R⁻¹``).
+
         Args:
             weight: ``out × in``.
             adapter_name: Whose rotation.
@@ -237,17 +287,19 @@ class OFTv2Layer(BaseTunerLayer):
         work = torch.promote_types(weight.dtype, torch.float32)
         with torch.no_grad():
             rotation = self.get_rotation(adapter_name).to(work).expand(n_blocks, b, b)
+            # M: the per-block matrix the weight rows are multiplied by.
+            m = rotation if self.rotates_output else rotation.transpose(-1, -2)
             w = weight.to(work).reshape(weight.shape[0], n_blocks, b)
             if not inverse:
-                out = torch.einsum("oik,ick->oic", w, rotation)
+                out = torch.einsum("oik,ikc->oic", w, m)
             else:
-                # X Rᵢᵀ = W'ᵢ  <=>  Rᵢ Xᵢᵀ = W'ᵢᵀ : one solve per block (exact inverse, orthogonal or not).
-                out = torch.linalg.solve(rotation, w.permute(1, 2, 0)).permute(2, 0, 1)
+                # Xᵢ Mᵢ = W'ᵢ  <=>  Mᵢᵀ Xᵢᵀ = W'ᵢᵀ : one solve per block (exact inverse, orthogonal or not).
+                out = torch.linalg.solve(m.transpose(-1, -2), w.permute(1, 2, 0)).permute(2, 0, 1)
         return out.reshape(weight.shape)
 
     # -------------------------------------------------------------------------------------- merge / unmerge
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        """Folds the adapters into the base weight: ``W ← W Rₙᵀ … R₁ᵀ``.
+        """Folds the adapters into the base weight: ``W ← W Rₙᵀ … R₁ᵀ`` (``W ← W R₁ … Rₙ`` for an output-side layer).
 
         Args:
             safe_merge: Compute on a copy and raise ``ValueError`` before writing if it is not finite.
@@ -262,8 +314,9 @@ class OFTv2Layer(BaseTunerLayer):
         active = list(self.active_adapters)
         adapter_names.sort(key=lambda a: active.index(a) if a in active else len(active))
         weight = self._get_base_weight()
-        # The forward applies R₁ first, so its transpose must end up rightmost: fold from the last adapter.
-        order = list(reversed(adapter_names))
+        # The forward applies R₁ first. On the input side its transpose must end up rightmost (fold from the last
+        # adapter: W Rₙᵀ … R₁ᵀ); on the output side R₁ is folded first (W R₁ … Rₙ).
+        order = list(adapter_names) if self.rotates_output else list(reversed(adapter_names))
         for name in order:
             weight = self._apply_rotation_to_weight(weight, name, inverse=False)
             if safe_merge and not torch.isfinite(weight).all():
@@ -323,16 +376,31 @@ class Linear(nn.Module, OFTv2Layer):
         self.update_layer(adapter_name, config, **kwargs)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.disable_adapters:
-            if self.merged:
-                self.unmerge()
-            return self.base_layer(x, *args, **kwargs)
-        if self.merged:
+        if self.adapters_bypassed():
             return self.base_layer(x, *args, **kwargs)
         return self.base_layer(self.rotate_input(x), *args, **kwargs)
 
     def __repr__(self) -> str:
         return "oftv2." + super().__repr__()
+
+
+def type_dispatcher(base_type: type, layer_cls: type) -> Callable[..., nn.Module | None]:
+    """A dispatcher wrapping layers whose (innermost) base is a ``base_type`` in ``layer_cls``, else ``None``.
+
+    Args:
+        base_type: The plain torch layer type, e.g. ``nn.Conv2d``.
+        layer_cls: The OFTv2 layer class, called as ``layer_cls(target, adapter_name, config, **kwargs)``.
+    """
+
+    def dispatch(target: nn.Module, adapter_name: str, config: OFTv2Config, **kwargs) -> nn.Module | None:
+        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        if isinstance(base, base_type):
+            return layer_cls(target, adapter_name, config, **kwargs)
+        return None
+
+    dispatch.__name__ = dispatch.__qualname__ = f"dispatch_{base_type.__name__.lower()}"
+    dispatch.__doc__ = f"Wraps ``{base_type.__name__}`` layers in ``{layer_cls.__name__}``; ``None`` for anything else."
+    return dispatch
 
 
 def dispatch_default(

@@ -11,9 +11,14 @@ from peft.utils import TRANSFORMERS_MODELS_TO_OFT_TARGET_MODULES_MAPPING
 from torch import nn
 
 from .config import OFTv2Config
+from .conv import dispatch_conv2d
+from .embedding import dispatch_embedding
 from .layer import OFTv2Layer, dispatch_default
 
 Dispatcher = Callable[..., nn.Module | None]
+# Plain torch layer types the default dispatchers adapt (transformers' Conv1D too; bnb layers via oftv2.bnb).
+ADAPTABLE_TYPES = (nn.Linear, nn.Conv2d, nn.Embedding)
+SUPPORTED_LAYERS = "nn.Linear / Conv1D / nn.Conv2d / nn.Embedding"
 # PEFT's "no module matched" messages (PEFT < 0.18 raises them as a plain ValueError, later as the subclass
 # NoMatchingPeftModuleError); only these get the list of adaptable modules appended.
 _NO_MATCH_MESSAGES = ("not found in the base model", "No modules were targeted", "All modules were excluded")
@@ -24,7 +29,8 @@ def dispatchers() -> list[Dispatcher]:
 
     Quantized-base dispatchers from ``oftv2.bnb`` (when that module exists) come first: either its
     ``DISPATCHERS`` list, or its ``dispatch_bnb_8bit`` / ``dispatch_bnb_4bit`` functions. Each has the signature
-    ``(target, adapter_name, config, **kwargs) -> nn.Module | None``. The default (``nn.Linear``, ``Conv1D``) is last.
+    ``(target, adapter_name, config, **kwargs) -> nn.Module | None``. The defaults (``nn.Linear``, ``Conv1D``;
+    ``nn.Conv2d``; ``nn.Embedding``) come last.
     """
     found: list[Dispatcher] = []
     # find_spec, not a bare import: the module is optional, and an ImportError *inside* it must not be swallowed.
@@ -37,7 +43,7 @@ def dispatchers() -> list[Dispatcher]:
             found.extend(
                 f for f in (getattr(bnb, n, None) for n in ("dispatch_bnb_8bit", "dispatch_bnb_4bit")) if f
             )
-    found.append(dispatch_default)
+    found.extend((dispatch_default, dispatch_conv2d, dispatch_embedding))
     return found
 
 
@@ -55,12 +61,12 @@ def adaptable_modules_hint(model: nn.Module, limit: int = 40) -> str:
         base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
         # A wrapped layer is listed under its wrapper's name, not as "<name>.base_layer".
         inner = full_name.endswith(("base_layer", "original_module")) or ".modules_to_save." in full_name
-        if isinstance(base, (nn.Linear, Conv1D)) and full_name and not inner:
+        if isinstance(base, ADAPTABLE_TYPES + (Conv1D,)) and full_name and not inner:
             names.setdefault(full_name.rsplit(".", 1)[-1], None)
     if not names:
-        return "The model has no nn.Linear or Conv1D module OFTv2 could adapt."
+        return f"The model has no {SUPPORTED_LAYERS} module OFTv2 could adapt."
     listed = ", ".join(list(names)[:limit]) + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
-    return f"Adaptable modules (nn.Linear / Conv1D, by name) in this model: {listed}."
+    return f"Adaptable modules ({SUPPORTED_LAYERS}, by name) in this model: {listed}."
 
 
 class OFTv2Model(BaseTuner):
@@ -117,7 +123,8 @@ class OFTv2Model(BaseTuner):
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
         raise TypeError(
             f"OFTv2 cannot adapt {kwargs.get('layer_name', 'this module')!r} of type {type(base).__name__}: supported "
-            "are torch.nn.Linear, transformers' Conv1D and (with oftv2.bnb) bitsandbytes Linear4bit/Linear8bitLt"
+            "are torch.nn.Linear, transformers' Conv1D, torch.nn.Conv2d, torch.nn.Embedding and (with oftv2.bnb) "
+            "bitsandbytes Linear4bit/Linear8bitLt"
         )
 
     def _check_merge_allowed(self):

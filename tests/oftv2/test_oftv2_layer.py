@@ -177,7 +177,8 @@ def test_unknown_target_is_reported_with_what_exists(tiny_model):
     listed = str(caught.value).split("Adaptable modules", 1)[1]
     for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"):
         assert name in listed
-    assert "embed_tokens" not in listed and "base_layer" not in listed
+    assert "embed_tokens" in listed  # nn.Embedding is adaptable too
+    assert "base_layer" not in listed and "norm" not in listed
 
 
 def test_module_dropout_is_applied_in_training_only():
@@ -245,14 +246,16 @@ def test_training_steps_change_output_and_lower_loss(tiny_model, tokens):
 def test_dispatch_order_and_unsupported_layers(tiny_model):
     import importlib.util
 
+    from oftv2.conv import dispatch_conv2d
+    from oftv2.embedding import dispatch_embedding
     from oftv2.layer import dispatch_default
     from oftv2.model import dispatchers
 
     found = dispatchers()
-    assert found[-1] is dispatch_default
+    assert found[-3:] == [dispatch_default, dispatch_conv2d, dispatch_embedding]
     if importlib.util.find_spec("oftv2.bnb") is not None:
         import oftv2.bnb
 
-        assert found[:-1] == list(getattr(oftv2.bnb, "DISPATCHERS", found[:-1]))
-    with pytest.raises(TypeError, match="embed_tokens.*Embedding"):
-        peft.get_peft_model(tiny_model("llama"), OFTv2Config(target_modules=["embed_tokens"], block_size=8))
+        assert found[:-3] == list(getattr(oftv2.bnb, "DISPATCHERS", found[:-3]))
+    with pytest.raises(TypeError, match="'model.norm' of type LlamaRMSNorm: supported are torch.nn.Linear"):
+        peft.get_peft_model(tiny_model("llama"), OFTv2Config(target_modules=["model.norm"], block_size=8))

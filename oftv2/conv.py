@@ -1,0 +1,147 @@
+"""OFTv2 on ``nn.Conv2d``: a block-diagonal rotation of each output filter's flattened input.
+
+A conv's weight ``W`` (out × in/groups × kh × kw) is a linear map from the flattened patch ``p`` (the
+``in/groups · kh · kw`` values one filter sees, in ``(channel, kh, kw)`` order, as ``F.unfold`` and
+``W.reshape(out, -1)`` lay them out) to the output pixel. OFTv2 rotates that patch: ``y = (p R) W_flatᵀ``, i.e.
+the layer convolves with ``W' = W_flat Rᵀ`` (reshaped back to the kernel). This is the parameter layout and the
+merged weight of PEFT's OFT ``Conv2d``, so adapters convert both ways (``oftv2.interop``).
+
+PEFT 0.21.2's OFT ``Conv2d`` forward is not that function: it unfolds the *image* at stride 1 without padding,
+rotates those patches and folds them back with ``F.fold``, which *sums* overlapping patches, then calls the conv.
+At ``R = I`` that multiplies every pixel by the number of ``kh × kw`` windows covering it (up to ``kh·kw``), so
+the adapter is not the identity at init and its merged weights do not reproduce its forward. It is right only for
+1 × 1 kernels. Ours computes exactly ``conv(x, W_flat Rᵀ)``: identity at init, merge == forward, for any kernel
+shape, stride, padding (any mode), dilation and groups.
+
+Two evaluations of the same function (``OFTv2Config.conv_evaluation``):
+    ``"weight"`` (default)  rebuild ``W_flat Rᵀ`` each step (O(out · in·k² · b), small: a conv's weight is tiny
+                            next to its activations) and run the base conv with it. Backward pays one conv
+                            weight-gradient.
+    ``"input"``             unfold the input with the conv's own stride/padding/dilation, rotate the patches
+                            (O(tokens · in·k² · b)), multiply by the frozen ``W_flat``. No weight gradient, but
+                            ``k²`` times the input's memory and a plain matmul instead of the tuned conv.
+Measured on these CPUs the weight-centric form was faster or equal on every UNet-like shape tried (docs/oftv2.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+from .config import OFTv2Config
+from .layer import OFTv2Layer, rotate_weight, type_dispatcher
+
+
+class Conv2d(nn.Module, OFTv2Layer):
+    """OFTv2 around ``nn.Conv2d``: convolves with ``W_flat Rᵀ`` (rotation width ``in/groups · kh · kw``).
+
+    Args:
+        base_layer: The ``nn.Conv2d`` to adapt.
+        adapter_name: Name of the first adapter.
+        config: Its configuration.
+        **kwargs: ``layer_name`` for error messages.
+
+    Raises:
+        TypeError: If ``base_layer`` is another method's adapter layer (the conv must be called with a rotated
+            weight or on rotated patches, which a wrapper in between would not pass on).
+    """
+
+    width_label = "filter width (in_channels / groups · kh · kw)"
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: OFTv2Config, **kwargs) -> None:
+        super().__init__()
+        OFTv2Layer.__init__(self, base_layer, **kwargs)
+        if isinstance(base_layer, BaseTunerLayer):
+            raise TypeError(
+                f"OFTv2 cannot adapt {kwargs.get('layer_name', 'this Conv2d')!r}: it already carries an adapter of "
+                f"another method ({type(base_layer).__name__}); OFTv2 on Conv2d needs the plain nn.Conv2d"
+            )
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, config, **kwargs)
+
+    def rotation_width(self) -> int:
+        """``in_channels / groups · kh · kw``: the flattened patch one output filter sees."""
+        base = self.get_base_layer()
+        return base.in_channels // base.groups * math.prod(base.kernel_size)
+
+    # ----------------------------------------------------------------------------------- base weight access
+    def _get_base_weight(self) -> torch.Tensor:
+        """The kernel as ``out × (in/groups · kh · kw)`` (a view)."""
+        weight = self.get_base_layer().weight.data
+        return weight.reshape(weight.shape[0], -1)
+
+    def _set_base_weight(self, weight: torch.Tensor) -> None:
+        """Writes a flattened ``out × (in/groups · kh · kw)`` weight back into the kernel in place.
+
+        Args:
+            weight: New flattened weight.
+        """
+        target = self.get_base_layer().weight
+        with torch.no_grad():
+            target.data.copy_(weight.reshape(target.shape).to(target.dtype))
+
+    # ------------------------------------------------------------------------------------------------ forward
+    def _active_rotations(self) -> list[str]:
+        return [name for name in self.active_adapters if name in self.oftv2_Q]
+
+    def rotated_weight(self) -> torch.Tensor:
+        """``W_flat Rₙᵀ … R₁ᵀ`` over the active adapters, as a kernel (differentiable in the adapters).
+
+        The forward applies ``R₁`` to the patch first, so its transpose ends up rightmost: fold from the last.
+        """
+        base = self.get_base_layer()
+        weight = base.weight.reshape(base.out_channels, -1)
+        for name in reversed(self._active_rotations()):
+            rotation = self.get_rotation(name, apply_dropout=self.training)
+            weight = rotate_weight(weight, rotation, impl=self.oftv2_settings[name].impl)
+        return weight.reshape(base.weight.shape)
+
+    def _input_centric(self, x: torch.Tensor) -> torch.Tensor:
+        """``(unfold(x) R) W_flatᵀ + b``, folded into the conv's output shape (no weight gradient needed)."""
+        base = self.get_base_layer()
+        unbatched = x.dim() == 3
+        if unbatched:
+            x = x.unsqueeze(0)
+        padding = base.padding
+        if isinstance(padding, str) or base.padding_mode != "zeros":
+            # "same" may pad asymmetrically and non-zero modes pad by reflection etc.: pad as the conv does.
+            mode = "constant" if base.padding_mode == "zeros" else base.padding_mode
+            x = F.pad(x, base._reversed_padding_repeated_twice, mode=mode)
+            padding = 0
+        kh, kw = base.kernel_size
+        patches = F.unfold(x, (kh, kw), dilation=base.dilation, padding=padding, stride=base.stride)
+        batch, _, n_pixels = patches.shape
+        groups, width = base.groups, self.rotation_width()
+        # [B, L, groups, width]: every group's filters see their own channel slice through the same R.
+        patches = self.rotate_input(patches.transpose(1, 2).reshape(batch, n_pixels, groups, width))
+        weight = base.weight.reshape(groups, base.out_channels // groups, width).to(patches.dtype)
+        out = torch.einsum("blgk,gok->bgol", patches, weight).reshape(batch, base.out_channels, n_pixels)
+        if base.bias is not None:
+            out = out + base.bias.to(out.dtype)[:, None]
+        pad_h, pad_w = (padding, padding) if isinstance(padding, int) else padding
+        height = (x.shape[-2] + 2 * pad_h - base.dilation[0] * (kh - 1) - 1) // base.stride[0] + 1
+        width_out = (x.shape[-1] + 2 * pad_w - base.dilation[1] * (kw - 1) - 1) // base.stride[1] + 1
+        out = out.reshape(batch, base.out_channels, height, width_out)
+        return out.squeeze(0) if unbatched else out
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.adapters_bypassed():
+            return self.base_layer(x, *args, **kwargs)
+        active = self._active_rotations()
+        if not active:
+            return self.base_layer(x, *args, **kwargs)
+        if all(self.oftv2_settings[name].conv_evaluation == "input" for name in active):
+            return self._input_centric(x)
+        base = self.get_base_layer()
+        return base._conv_forward(x, self.rotated_weight(), base.bias)
+
+    def __repr__(self) -> str:
+        return "oftv2." + super().__repr__()
+
+
+dispatch_conv2d = type_dispatcher(nn.Conv2d, Conv2d)
