@@ -22,6 +22,16 @@ OFTv2's default ``"cayley_neumann"`` (Taylor) form has no PEFT equivalent (excep
 ``"peft_cn"`` with fewer than 4 terms: such adapters are exported as PEFT's exact Cayley (the map the series
 approximates), which differs by the truncation error O(||Q||^n); the export warns with the measured largest
 difference of the rotation entries. ``max_q_norm`` is baked into the exported Q.
+
+Layer types. ``nn.Linear`` / ``Conv1D`` and ``nn.Conv2d`` rotations are PEFT's ``oft_R``, ``nn.Embedding`` rotations
+its ``oft_embedding_R`` (rotation of the looked-up vectors in both libraries); the tensors have the same layout.
+For ``Conv2d`` both libraries rotate each filter's flattened ``in · kh · kw`` input (merged weight ``W_flat Rᵀ``),
+but PEFT 0.21.2's *unmerged* Conv2d forward computes something else for kernels larger than 1 × 1 (it folds
+rotated stride-1 image patches back into an image; see ``oftv2.conv``). So a converted Conv2d adapter reproduces
+what PEFT's merged model (``merge_and_unload``) computes, which is the function its weights define; it reproduces
+PEFT's unmerged outputs only for 1 × 1 kernels. The same holds the other way: PEFT evaluates an exported k > 1
+Conv2d adapter correctly only after merging it, and cannot load adapters of non-square kernels at all (its
+Conv2d layer assumes ``kh == kw``).
 """
 
 from __future__ import annotations
@@ -40,9 +50,12 @@ from kernels import ops
 from peftplug.fileio import atomic_write
 
 from .config import OFTv2Config
+from .embedding import Embedding
 from .layer import OFTv2Layer, bound_q
 
 PEFT_KEY = ".oft_R.weight"
+# PEFT keeps an Embedding layer's rotation under its own attribute (same layout, rotation on the output).
+PEFT_EMBEDDING_KEY = ".oft_embedding_R.weight"
 OFTV2_KEY = ".oftv2_Q"
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -168,10 +181,13 @@ def state_dict_from_peft_oft(
     sign = _negates(not oft_config.use_cayley_neumann)
     out = {}
     for key, value in state_dict.items():
-        if key.endswith(PEFT_KEY):
-            out[key[: -len(PEFT_KEY)] + OFTV2_KEY] = sign * value
+        peft_key = next((k for k in (PEFT_KEY, PEFT_EMBEDDING_KEY) if key.endswith(k)), None)
+        if peft_key is not None:
+            out[key[: -len(peft_key)] + OFTV2_KEY] = sign * value
         elif ".oft_" in key:
-            raise ValueError(f"unsupported PEFT OFT tensor {key!r} (only Linear rotations `oft_R` convert)")
+            raise ValueError(
+                f"unsupported PEFT OFT tensor {key!r} (only the rotations `oft_R` and `oft_embedding_R` convert)"
+            )
         else:
             out[key] = value  # modules_to_save, biases
     if not any(k.endswith(OFTV2_KEY) for k in out):
@@ -180,7 +196,7 @@ def state_dict_from_peft_oft(
 
 
 def state_dict_to_peft_oft(
-    state_dict: dict[str, torch.Tensor], config: OFTv2Config
+    state_dict: dict[str, torch.Tensor], config: OFTv2Config, embedding_modules: set[str] | None = None
 ) -> dict[str, torch.Tensor]:
     """Renames an OFTv2 adapter state dict (adapter name removed) into PEFT OFT's layout.
 
@@ -190,12 +206,17 @@ def state_dict_to_peft_oft(
     Args:
         state_dict: Keys ``...oftv2_Q`` (as ``get_peft_model_state_dict`` returns them).
         config: The adapter's config.
+        embedding_modules: Module paths (the keys without ``.oftv2_Q``) of ``nn.Embedding`` layers, whose
+            rotation PEFT stores as ``oft_embedding_R``.
     """
     sign = _negates(oftv2_terms_to_peft(config.orthogonalization, config.neumann_terms) is None)
+    embedding_modules = embedding_modules or set()
     out = {}
     for key, value in state_dict.items():
         if key.endswith(OFTV2_KEY):
-            out[key[: -len(OFTV2_KEY)] + PEFT_KEY] = sign * bound_q(value, config.max_q_norm)
+            module = key[: -len(OFTV2_KEY)]
+            suffix = PEFT_EMBEDDING_KEY if module in embedding_modules else PEFT_KEY
+            out[module + suffix] = sign * bound_q(value, config.max_q_norm)
         else:
             out[key] = value
     return out
@@ -246,7 +267,10 @@ def export_peft_oft_adapter(
             "'cayley' for an exact export.",
             stacklevel=2,
         )
-    state = state_dict_to_peft_oft(get_peft_model_state_dict(peft_model, adapter_name=adapter_name), config)
+    embeddings = {name for name, module in peft_model.named_modules() if isinstance(module, Embedding)}
+    state = state_dict_to_peft_oft(
+        get_peft_model_state_dict(peft_model, adapter_name=adapter_name), config, embedding_modules=embeddings
+    )
     oft_config = oft_config_from_oftv2(config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
