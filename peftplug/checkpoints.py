@@ -103,9 +103,11 @@ def read_checkpoint(ckpt_path: str | os.PathLike, map_location: Any = "cpu", mma
         raise CheckpointError(f"checkpoint {str(path)!r} is a directory{hint}; {_EXPECTED_CKPT}")
     if not path.is_file():
         raise MissingFileError(f"checkpoint {str(path)!r} does not exist")
+    with open(path, "rb") as f:
+        zipped = f.read(2) == b"PK"  # torch only memory-maps its zip format, not legacy pickles
     try:
         with torch.serialization.safe_globals(safe_globals()):
-            checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and zipped)
     # torch.load of arbitrary bytes fails in many ways (UnpicklingError, RuntimeError from the zip reader, EOFError,
     # ValueError from the legacy format's magic number, ...); all mean "this file is not a checkpoint".
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, UnicodeDecodeError,

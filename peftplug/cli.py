@@ -1,5 +1,5 @@
-"""The ``peftplug`` command: a LightningCLI (``fit``, ``validate``, ``test``, ``predict``) plus ``export`` and
-``steering``.
+"""The ``peftplug`` command: a LightningCLI (``fit``, ``validate``, ``test``, ``predict``) plus the subcommands of
+:data:`SUBCOMMANDS` (``export``, ``steering``, ``generate``, ``chat``).
 
 Examples::
 
@@ -8,8 +8,11 @@ Examples::
     peftplug export --ckpt_path runs/quickstart/.../last.ckpt --output adapter/ [--merge]
     peftplug steering ...            # delegated to peftplug.steering_cli
 
-Errors caused by input (a wrong path, column, setting) print as one line ``peftplug: error: ...`` and exit with
-status 2.
+Errors caused by input (a wrong setting, path, data file, checkpoint) print as one line ``peftplug: error: ...``
+and exit with status 2; ``--debug`` (anywhere on the line) or ``PEFTPLUG_DEBUG=1`` adds the traceback. Settings
+that fail while the config is turned into objects (a ``PeftConfig``'s validation, an optimizer's argument checks,
+a layer that rejects its adapter settings) are reported with the config field they come from, e.g.
+``model.peft.init_args.neumann_terms: ...``.
 """
 
 from __future__ import annotations
@@ -17,16 +20,28 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import re
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from peftplug.errors import ConfigError, PeftplugError, one_line, run_command
 
 # Packages whose configs/optimizers recipes may name by class_path; imported when present so that their PEFT
 # types are registered before a config or checkpoint refers to them.
 METHOD_PACKAGES = ("oftv2", "helene", "prompt_transfer", "steering")
 DEFAULT_ROOT_DIR = "runs"
+
+# Subcommands besides LightningCLI's, as "module:function" taking the arguments after the subcommand and returning
+# the exit status. Imported only when used, so that a missing one says so in one line and `--help` stays fast.
+SUBCOMMANDS: dict[str, str] = {
+    "export": "peftplug.cli:export_main",
+    "steering": "peftplug.steering_cli:main",
+    "generate": "peftplug.generate_cli:generate_main",
+    "chat": "peftplug.generate_cli:chat_main",
+}
 
 
 def import_method_packages() -> list[str]:
@@ -43,8 +58,178 @@ def import_method_packages() -> list[str]:
     return imported
 
 
+# ---------------------------------------------------------------- config errors with their field path
+# Lines of a jsonargparse error that describe its own machinery, not the user's value.
+_JSONARGPARSE_NOISE = re.compile(
+    r"^(Given value( type)?:|Subtypes:|Errors:$|Does not validate against any of the Union subtypes$"
+    r"|Expected a path but .* either not accessible or invalid$)"
+)
+# Union alternatives the user did not mean when a value fails (`model.peft` may also be a dict or null).
+_UNION_ALTERNATIVE = re.compile(r"^Expected a <class '(NoneType|dict)'>")
+
+
+def condense_argument_error(message: str) -> str:
+    """One line from a (multi-line, nested) jsonargparse error: the field path and the innermost messages.
+
+    ``Parser key "data": ... Problem with given class_path '...CausalLMData': Parser key "batch_size": Expected a
+    <class 'int'>. Got value: x`` becomes ``data.init_args.batch_size: expected int. Got value: x``; the dumps of
+    the given value and the union's subtypes are dropped.
+
+    Args:
+        message: ``str()`` of a ``jsonargparse.ArgumentError``.
+    """
+    path: list[str] = []
+    class_path, class_indent = None, 0
+    found: list[str] = []
+    for raw in message.splitlines():
+        indent = len(raw) - len(raw.lstrip(" -"))
+        line = raw.strip()
+        line = line[2:].strip() if line.startswith("- ") else line
+        if not line or _JSONARGPARSE_NOISE.match(line):
+            continue
+        if class_path and indent <= class_indent:  # left the block of that class's problem
+            class_path = None
+        key = re.fullmatch(r'Parser key "([^"]+)":\s*(.*)', line)
+        if key:
+            path.append(("init_args." if path and class_path else "") + key.group(1))
+            class_path = None
+            if not key.group(2):
+                continue
+            line = key.group(2)
+        problem = re.fullmatch(r"Problem with given class_path '([^']+)':", line)
+        if problem:
+            class_path, class_indent = problem.group(1), indent
+            continue
+        if class_path:  # the class itself failed (e.g. it cannot be imported): say which
+            line = f"class_path {class_path!r}: {line}"
+        found.append(line)
+    kept = [line for line in found if not _UNION_ALTERNATIVE.match(line)] or found
+    text = "; ".join(dict.fromkeys(kept)) or message
+    text = re.sub(r"Type \S.* expects a function or a callable class: ", "", text)
+    text = re.sub(r"Expected a <class '([\w.]+)'>", r"expected \1", text)
+    # "Option 'lr' is not accepted. Got value: Namespace(class_path='torch.optim.Optimizer', ...)": the class is
+    # the abstract default because the config names none; say so instead of dumping the namespace.
+    text = re.sub(r"\. Got value: Namespace\(class_path='([^']+)'.*", r" by \1 (is its class_path set?)", text)
+    return f"{'.'.join(path)}: {text}" if path else text
+
+
+def _exception_chain(err: BaseException) -> Iterator[BaseException]:
+    """``err``, then its causes/contexts (each once)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def _leaves(config: Any, prefix: str = "") -> dict[str, Any]:
+    """The dotted leaf keys and values of a jsonargparse Namespace (lists of objects as ``key[i].field``), only
+    those under ``prefix`` when it is given."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        items = value if isinstance(value, list) and any(hasattr(v, "items") for v in value) else None
+        if items is None:
+            flat[key] = value
+            continue
+        for i, item in enumerate(items):
+            for sub, leaf in (_leaves(item).items() if hasattr(item, "items") else [("", item)]):
+                flat[f"{key}[{i}]" + (f".{sub}" if sub else "")] = leaf
+    if not prefix:
+        return flat
+    return {k: v for k, v in flat.items() if k == prefix or k.startswith((prefix + ".", prefix + "["))}
+
+
+def _named_in(message: str, leaves: dict[str, Any]) -> str | None:
+    """The one leaf the message is about: named as an identifier (`` `x` ``, ``x=``, ``x must``) or, failing that,
+    quoted by value (``Invalid learning rate: -1.0``); ``None`` when that is not a single leaf."""
+    names = set(re.findall(r"`(\w+)`", message)) | set(re.findall(r"\b(\w+)\s*=", message))
+    names |= set(re.findall(r"\b(\w+) (?:must|should)\b", message))
+    hits = [k for k in leaves if k.rsplit(".", 1)[-1] in names]
+    if len(hits) == 1:
+        return hits[0]
+    tokens = set(re.findall(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e-?\d+)?(?![\w.])", message))
+    hits = [k for k, v in leaves.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and {repr(v), repr(float(v))} & tokens]
+    return hits[0] if len(hits) == 1 else None
+
+
+def config_field(config: Any, message: str, section: str = "", class_type: type | None = None) -> str:
+    """The config field a settings error is about, as the user writes it (``model.peft.init_args.block_size``).
+
+    Args:
+        config: The parsed config (a jsonargparse Namespace of one subcommand).
+        message: The error message.
+        section: Where the failing object is configured (``"model"``), if known.
+        class_type: The class whose constructor failed, if known: its ``class_path`` entry in ``config`` gives
+            the section (the optimizer of ``model.optimizer``, the PEFT config of ``model.peft``).
+
+    Returns:
+        The most precise field found; at least the section, or ``""`` if nothing is known.
+    """
+    leaves = _leaves(config, section)
+    if class_type is not None:
+        for key, value in leaves.items():
+            if key.endswith(".class_path") and str(value).rsplit(".", 1)[-1] == class_type.__name__:
+                section = key[: -len(".class_path")]
+                leaves = _leaves(config, section)
+                break
+    return _named_in(message, leaves) or section
+
+
+def _section_of(err: BaseException) -> str | None:
+    """``model``, ``data`` or ``trainer``: whose constructor the error came from (outermost on the stack)."""
+    from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+
+    kinds = ((LightningModule, "model"), (LightningDataModule, "data"), (Trainer, "trainer"))
+    for exc in _exception_chain(err):
+        tb = exc.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            if frame.f_code.co_name == "__init__":
+                owner = frame.f_locals.get("self")
+                for cls, name in kinds:
+                    if isinstance(owner, cls):
+                        return name
+            tb = tb.tb_next
+    return None
+
+
+class ConfigFieldInstantiator:
+    """jsonargparse instantiator of the configured classes (PEFT configs, optimizers, schedulers, callbacks, ...).
+
+    A ``ValueError`` (or Lightning's ``MisconfigurationException``) from a constructor called here is a settings
+    error: it is raised again as a :class:`ConfigError` that names the config field. Optimizers and schedulers
+    are built through this too (jsonargparse hands the model a partial of it), at ``configure_optimizers`` time.
+
+    Args:
+        config: Returns the parsed config of the running subcommand.
+    """
+
+    def __init__(self, config: Callable[[], Any]) -> None:
+        self.config = config
+
+    def __call__(self, class_type: type, *args: Any, **kwargs: Any) -> Any:
+        """Builds ``class_type(*args, **kwargs)``.
+
+        Args:
+            class_type: The configured class.
+            *args: Positional arguments (e.g. the parameters given to an optimizer).
+            **kwargs: The configured ``init_args``.
+        """
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        try:
+            return class_type(*args, **kwargs)
+        except PeftplugError:
+            raise
+        except (ValueError, MisconfigurationException) as err:
+            field = config_field(self.config(), str(err), class_type=class_type)
+            raise ConfigError(f"{field or class_type.__name__}: {one_line(err)}") from err
+
+
 def _cli_classes():
     """Builds the CLI classes (imports Lightning; kept out of module import so ``--help`` of export is fast)."""
+    from jsonargparse import ArgumentError
     from lightning.pytorch import LightningDataModule
     from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
     from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
@@ -76,7 +261,83 @@ def _cli_classes():
             kwargs.setdefault("trainer_defaults", {"default_root_dir": DEFAULT_ROOT_DIR})
             kwargs.setdefault("save_config_callback", SafeSaveConfigCallback)
             kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-            super().__init__(PeftModule, LightningDataModule, subclass_mode_data=True, **kwargs)
+            # Parse errors raise (instead of printing usage and exiting) so that they become one ConfigError line.
+            kwargs["parser_kwargs"] = {"exit_on_error": False, **(kwargs.get("parser_kwargs") or {})}
+            try:
+                super().__init__(PeftModule, LightningDataModule, subclass_mode_data=True, **kwargs)
+            except ArgumentError as err:
+                raise ConfigError(condense_argument_error(str(err))) from err
+
+        def _parse_ckpt_path(self) -> None:
+            """Checks ``--ckpt_path`` before Lightning reads the hyperparameters from it.
+
+            Lightning's own loads use ``weights_only=True``; the allowlist of peftplug checkpoints is registered so
+            that they (and resuming from them) accept exactly what our checkpoints hold.
+            """
+            import torch
+
+            from peftplug.checkpoints import read_checkpoint, safe_globals
+
+            torch.serialization.add_safe_globals(safe_globals())
+            subcommand = self.config.get("subcommand")
+            ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+            if ckpt_path:
+                read_checkpoint(ckpt_path, mmap=True)
+            super()._parse_ckpt_path()
+
+        def parse_arguments(self, parser: Any, args: Any) -> None:
+            """Parses the arguments, remembering the command-line ones for :meth:`before_instantiate_classes`.
+
+            Args:
+                parser: The parser.
+                args: Arguments (a list), or a dict/Namespace of settings.
+            """
+            self.given_args = list(sys.argv[1:] if args is None else args if isinstance(args, (list, tuple)) else [])
+            super().parse_arguments(parser, args)
+
+        def _check_peft_override(self) -> None:
+            """Reports an ``--model.peft.init_args.X V`` override whose value does not fit the field's type.
+
+            ``model.peft`` is typed ``PeftConfig | dict | None``: when the value fails the PEFT config class,
+            jsonargparse falls back to ``dict`` and replaces the whole config with ``{X: V}``, class_path dropped.
+            """
+            model = self._get(self.config, "model", default=None)
+            peft = model.get("peft") if model is not None else None
+            overridden = any(a.startswith("--model.peft.init_args.") for a in getattr(self, "given_args", []))
+            if overridden and isinstance(peft, dict) and peft and not {"class_path", "peft_type"} & set(peft):
+                key, value = next(iter(peft.items()))
+                raise ConfigError(f"model.peft.init_args.{key}: {value!r} does not fit the type of this field of "
+                                  "the PEFT config class")
+
+        def before_instantiate_classes(self) -> None:
+            """Builds every configured class except model and data (Lightning's) through ConfigFieldInstantiator."""
+            self._check_peft_override()
+            section = self.subcommand
+            config = (lambda: self.config[section]) if section else (lambda: self.config)
+            self.parser.add_instantiator(ConfigFieldInstantiator(config), object, subclasses=True)
+
+        def instantiate_classes(self) -> None:
+            """Instantiates model, data and trainer; a settings error names its config field.
+
+            A ``ValueError`` (or ``MisconfigurationException``) raised while the config is turned into objects is a
+            settings error: the message gets the field it is about (``model.peft.init_args.block_size: ...``).
+            A :class:`PeftplugError` raised inside (maybe wrapped by jsonargparse's union handling) keeps its own
+            message.
+            """
+            from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+            try:
+                super().instantiate_classes()
+            except (ValueError, MisconfigurationException) as err:
+                ours = next((e for e in _exception_chain(err) if isinstance(e, PeftplugError)), None)
+                if ours is err:
+                    raise
+                if ours is not None:
+                    raise ours from err
+                message = str(err)
+                config = self.config[self.subcommand] if self.subcommand else self.config
+                field = config_field(config, message, _section_of(err) or "")
+                raise ConfigError(f"{field}: {one_line(message)}" if field else one_line(message)) from err
 
         def add_arguments_to_parser(self, parser: Any) -> None:
             """Adds ``--evaluate_after_fit``.
@@ -162,46 +423,65 @@ def export_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def steering_main(argv: Sequence[str]) -> int:
-    """``peftplug steering``: delegates to ``peftplug.steering_cli.main``.
+def lightning_main(argv: Sequence[str]) -> int:
+    """LightningCLI's subcommands (``fit``, ``validate``, ``test``, ``predict``).
+
+    Lightning's ``MisconfigurationException`` (e.g. a monitor that is never logged) is a settings error wherever
+    it is raised, so it is reported as a :class:`ConfigError`.
 
     Args:
-        argv: Arguments after ``steering``.
+        argv: The arguments, starting with the subcommand.
     """
-    from peftplug.errors import ConfigError
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     try:
-        module = importlib.import_module("peftplug.steering_cli")
+        cli(argv)
+    except MisconfigurationException as err:
+        raise ConfigError(one_line(err)) from err
+    return 0
+
+
+def subcommand(name: str) -> Callable[[list[str]], int]:
+    """The function of one of :data:`SUBCOMMANDS`, imported now.
+
+    Args:
+        name: A key of :data:`SUBCOMMANDS`.
+
+    Raises:
+        ConfigError: If the module providing it is not installed (yet).
+    """
+    module_name, _, function = SUBCOMMANDS[name].partition(":")
+    try:
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
-        if err.name != "peftplug.steering_cli":
+        if err.name != module_name:  # the module exists but one of its own imports is missing: a real failure
             raise
-        raise ConfigError("`peftplug steering` is not available: peftplug.steering_cli is not installed") from None
-    return int(module.main(list(argv)) or 0)
+        raise ConfigError(f"`peftplug {name}` is not available: {module_name} is not installed") from None
+    return getattr(module, function)
+
+
+def dispatch(argv: list[str]) -> int:
+    """Runs the subcommand named by ``argv[0]``: one of :data:`SUBCOMMANDS`, else LightningCLI's.
+
+    Args:
+        argv: Arguments without the program name.
+    """
+    if argv and argv[0] in SUBCOMMANDS:
+        return int(subcommand(argv[0])(list(argv[1:])) or 0)
+    return lightning_main(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point ``peftplug``.
+    """Console entry point ``peftplug``: every subcommand runs inside one error boundary.
 
     Args:
-        argv: Arguments without the program name (default: ``sys.argv[1:]``).
+        argv: Arguments without the program name (default: ``sys.argv[1:]``). ``--debug`` anywhere (or
+            ``PEFTPLUG_DEBUG=1``) prints the traceback of an input error too.
 
     Returns:
-        The exit status (0 on success, 2 for an input error).
+        The exit status (0 on success, 2 for an input error, printed as one line ``peftplug: error: ...``).
     """
-    from peftplug.errors import PeftplugError, one_line
-    from peftplug.registry import UnregisteredAdapterError
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        if argv and argv[0] == "steering":
-            return steering_main(argv[1:])
-        if argv and argv[0] == "export":
-            return export_main(argv[1:])
-        cli(argv)
-        return 0
-    except (PeftplugError, UnregisteredAdapterError) as err:
-        print(f"peftplug: error: {one_line(err)}", file=sys.stderr)
-        return 2
+    return run_command("peftplug", dispatch, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

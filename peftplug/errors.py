@@ -1,10 +1,16 @@
 """User-facing errors of the trainer, data modules and CLI.
 
-Every error a user can cause by a wrong setting derives from :class:`PeftplugError`; the CLI prints such errors
-as one line (``peftplug: error: ...``) instead of a traceback. Programming errors are never wrapped.
+Every error a user can cause by a wrong setting, file or piece of data derives from :class:`PeftplugError`. The
+Python API raises them; the command-line programs print them as one line (``peftplug: error: ...``, exit status 2)
+through one error boundary, :func:`run_command`. Programming errors are never wrapped: they keep their traceback.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
 
 
 class PeftplugError(Exception):
@@ -36,3 +42,59 @@ def one_line(message: str, limit: int = 400) -> str:
     """
     text = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+DEBUG_FLAG = "--debug"
+DEBUG_ENV = "PEFTPLUG_DEBUG"
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """The exception types a command prints as one line: :class:`PeftplugError` and the registry's
+    ``UnregisteredAdapterError`` (an adapter of a plugin type whose package is not installed).
+
+    The registry is only consulted when it has been imported: if it was not, nothing can have raised its error,
+    and this module stays a leaf that imports nothing of the project.
+    """
+    registry = sys.modules.get("peftplug.registry")
+    extra = getattr(registry, "UnregisteredAdapterError", None)
+    return (PeftplugError,) if extra is None else (PeftplugError, extra)
+
+
+def debug_requested(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """Removes ``--debug`` from the arguments; returns them and whether tracebacks were asked for.
+
+    Args:
+        argv: Command-line arguments. ``--debug`` may stand anywhere before a ``--`` separator;
+            ``PEFTPLUG_DEBUG=1`` in the environment asks for tracebacks too.
+    """
+    argv = list(argv)
+    end = argv.index("--") if "--" in argv else len(argv)
+    debug = DEBUG_FLAG in argv[:end]
+    if debug:
+        argv = [a for a in argv[:end] if a != DEBUG_FLAG] + argv[end:]
+    return argv, debug or os.environ.get(DEBUG_ENV, "").strip() not in ("", "0", "false", "False")
+
+
+def run_command(prog: str, command: Callable[[list[str]], int | None], argv: Sequence[str]) -> int:
+    """The error boundary of a command-line program: runs ``command(argv)`` and turns user errors into one line.
+
+    A user error (see :func:`user_error_types`) prints ``<prog>: error: <one line>`` on stderr and returns 2; with
+    ``--debug`` or ``PEFTPLUG_DEBUG=1`` its traceback is printed first. Any other exception propagates with its
+    traceback: it is a bug. ``SystemExit`` (``--help``, argparse usage errors) passes through.
+
+    Args:
+        prog: Program name shown before ``error:``, e.g. ``"peftplug"``.
+        command: Runs the program on the arguments (``--debug`` removed); returns the exit status.
+        argv: Command-line arguments without the program name.
+
+    Returns:
+        The exit status: what ``command`` returned (``None`` counts as 0), or 2 for a user error.
+    """
+    argv, debug = debug_requested(argv)
+    try:
+        return int(command(argv) or 0)
+    except user_error_types() as err:
+        if debug:
+            traceback.print_exception(err, file=sys.stderr)
+        print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
+        return 2
