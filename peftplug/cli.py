@@ -333,7 +333,7 @@ def _cli_classes():
                 if ours is err:
                     raise
                 if ours is not None:
-                    raise ours from err
+                    raise ours  # keeps its own cause (the constructor's error) for --debug
                 message = str(err)
                 config = self.config[self.subcommand] if self.subcommand else self.config
                 field = config_field(config, message, _section_of(err) or "")

@@ -113,12 +113,12 @@ def _load_adapters(model, specs: Sequence[str]):
     from peft import PeftModel
 
     import steering  # noqa: F401  (registers the PEFT type)
+    from peftplug.checkpoints import check_adapter_dir
 
     peft_model, names = None, []
     for i, spec in enumerate(specs):
         path, mult = _adapter_spec(spec)
-        if not Path(path).is_dir():
-            raise MissingFileError(f"adapter directory {path} does not exist")
+        check_adapter_dir(path)  # a missing adapter_config.json or truncated weights: one line naming the file
         name = f"steer{i}"
         try:
             if peft_model is None:

@@ -133,15 +133,49 @@ def train_sources(recipe: Mapping, out_dir: str | None = None, decompose: bool =
     return summary
 
 
+PROG = "python -m prompt_transfer.cli"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point.
+    """Entry point, inside peftplug's error boundary: an input error (bad recipe value, adapter folder, data file)
+    prints ``python -m prompt_transfer.cli: error: <one line>`` and returns 2; ``--debug`` or ``PEFTPLUG_DEBUG=1``
+    adds its traceback.
 
     Args:
         argv: Arguments (default: ``sys.argv[1:]``).
     """
-    import prompt_transfer as pt
+    from peftplug.errors import run_command
 
-    parser = argparse.ArgumentParser(prog="python -m prompt_transfer.cli", description=__doc__.split("\n")[0])
+    return run_command(PROG, _run, sys.argv[1:] if argv is None else argv)
+
+
+def _load_source_prompts(names: list[str], adapters: list[str]) -> dict:
+    """The prompt of each source adapter folder, each folder checked first (a missing or damaged file, an adapter
+    of the wrong type: one line naming the folder)."""
+    import prompt_transfer as pt
+    from peftplug.checkpoints import check_adapter_dir
+    from peftplug.errors import CheckpointError
+
+    prompts = {}
+    for name, path in zip(names, adapters):
+        check_adapter_dir(path)
+        try:
+            prompts[name] = pt.load_source_prompt(path)
+        except ValueError as err:  # e.g. "holds a 'LORA' adapter, not PROMPT_TUNING/PCT"
+            raise CheckpointError(f"source adapter {path!r}: {err}") from err
+    return prompts
+
+
+def _run(argv: list[str]) -> int:
+    """Parses and runs one command (see :func:`main`).
+
+    Args:
+        argv: Arguments without the program name.
+    """
+    import prompt_transfer as pt
+    from peftplug.errors import CheckpointError, ConfigError
+
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train-sources", help="train one PEFT prompt-tuning adapter per source task of a recipe")
     t.add_argument("--config", required=True,
@@ -178,14 +212,23 @@ def main(argv: list[str] | None = None) -> int:
         names = args.names or [os.path.basename(os.path.normpath(p)) for p in args.adapters]
         if len(names) != len(args.adapters):
             parser.error(f"--names has {len(names)} names for {len(args.adapters)} adapters")
-        prompts = {n: pt.load_source_prompt(p) for n, p in zip(names, args.adapters)}
-        dec = pt.decompose(prompts, rank=args.rank, explained_variance=args.explained_variance,
-                           contrastive_weight=args.contrastive_weight, contrastive_steps=args.contrastive_steps)
+        prompts = _load_source_prompts(names, args.adapters)
+        try:  # decompose checks its arguments and the prompts' shapes before computing anything
+            dec = pt.decompose(prompts, rank=args.rank, explained_variance=args.explained_variance,
+                               contrastive_weight=args.contrastive_weight, contrastive_steps=args.contrastive_steps)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
         pt.save_decomposition(dec, args.out)
         print(json.dumps({"out": args.out, "rank": dec.rank, "sources": names,
                           "explained_variance_kept": dec.settings["explained_variance_kept"]}))
     else:
-        print(pt.export_adapter_dir(args.pct_adapter, args.out))
+        from peftplug.checkpoints import check_adapter_dir
+
+        check_adapter_dir(args.pct_adapter)
+        try:
+            print(pt.export_adapter_dir(args.pct_adapter, args.out))
+        except ValueError as err:  # "holds a LORA adapter, not PCT"
+            raise CheckpointError(f"PCT adapter {args.pct_adapter!r}: {err}") from err
     return 0
 
 

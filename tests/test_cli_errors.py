@@ -1,0 +1,291 @@
+"""Bad input at the command line (issue #17): exit status 2 and one ``<prog>: error:`` line that names the field or
+file, no traceback; ``--debug`` / ``PEFTPLUG_DEBUG=1`` add the traceback; other exceptions keep theirs.
+
+Every case runs the real command in-process on tiny models: LightningCLI, jsonargparse, PEFT and torch raise what
+they raise for that input, and the test checks what the user sees.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import zipfile
+from pathlib import Path
+
+import lightning  # noqa: F401  (imported before capsys swaps stderr: Lightning's log handler binds to it)
+import pytest
+import torch
+import yaml
+
+from peftplug.checkpoints import check_adapter_dir, load_checkpoint_module, read_checkpoint
+from peftplug.cli import condense_argument_error, main
+from peftplug.errors import CheckpointError, DataError, MissingFileError, run_command
+
+ROWS = [{"prompt": f"Q{i}: add {i} and {i}?", "response": f" {2 * i}"} for i in range(12)]
+
+
+def _recipe(root: Path, peft: dict, **data: str) -> Path:
+    recipe = {
+        "seed_everything": 0,
+        "trainer": {"max_steps": 1, "accelerator": "cpu", "devices": 1, "default_root_dir": str(root / "runs"),
+                    "enable_progress_bar": False, "num_sanity_val_steps": 0, "limit_val_batches": 1,
+                    "enable_model_summary": False, "logger": False},
+        "model": {"model": "tiny:llama", "peft": peft,
+                  "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.01}}},
+        "data": {"class_path": "peftplug.data.CausalLMData",
+                 "init_args": {"train_file": str(root / "train.jsonl"), "prompt_column": "prompt",
+                               "response_column": "response", "batch_size": 4, **data}},
+    }
+    path = root / f"{peft.get('peft_type') or peft['class_path'].rsplit('.', 1)[-1]}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Recipes, good and bad data files, a real checkpoint from `peftplug fit` and bad checkpoints derived from it."""
+    root = tmp_path_factory.mktemp("cli_errors")
+    lines = [json.dumps(r) for r in ROWS]
+    (root / "train.jsonl").write_text("\n".join(lines))
+    (root / "truncated.jsonl").write_text("\n".join(lines[:4] + [lines[4][:15]] + lines[5:]))
+    (root / "extra_field.csv").write_text("prompt,response\na,b\nc,d,e\n")
+    lora = _recipe(root, {"peft_type": "LORA", "r": 4, "target_modules": ["q_proj", "v_proj"],
+                          "init_lora_weights": False})
+    oft = _recipe(root, {"class_path": "oftv2.OFTv2Config",
+                         "init_args": {"block_size": 8, "target_modules": ["q_proj", "v_proj"]}})
+    assert main(["fit", "--config", str(lora)]) == 0
+    ckpt = next((root / "runs").rglob("*.ckpt"))
+
+    bad = root / "bad"
+    bad.mkdir()
+    (bad / "garbage.ckpt").write_text("garbage\n")
+    data = ckpt.read_bytes()
+    (bad / "truncated.ckpt").write_bytes(data[: len(data) // 2])
+    with zipfile.ZipFile(bad / "foreign_zip.ckpt", "w") as archive:
+        archive.writestr("notes.txt", "not a checkpoint")
+    saved = torch.load(ckpt, weights_only=True)
+    variants = {
+        "not_peftplug.ckpt": lambda c: c.pop("peftplug"),
+        "other_rank.ckpt": lambda c: c["hyper_parameters"]["peft"].update(r=8),
+        "other_adapter.ckpt": lambda c: c["hyper_parameters"].update(
+            peft={"peft_type": "OFTV2", "block_size": 8, "target_modules": ["q_proj", "v_proj"]}),
+        "other_model.ckpt": lambda c: c["hyper_parameters"].update(model="tiny:gpt2"),
+        "pickled_object.ckpt": lambda c: c["hyper_parameters"].update(extra=zipfile.ZipInfo("x")),
+    }
+    for name, edit in variants.items():
+        variant = copy.deepcopy(saved)
+        edit(variant)
+        torch.save(variant, bad / name)
+    return {"root": root, "lora": lora, "oft": oft, "ckpt": ckpt, "bad": bad}
+
+
+def _error_line(capsys, code: int, prog: str = "peftplug") -> str:
+    """Exit status 2, exactly one error line on stderr, no traceback (warnings and logs may precede it)."""
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith(f"{prog}: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+# (id, arguments given the files fixture, what the error line must contain)
+CASES = [
+    ("block_size_not_dividing", lambda f: ["fit", "--config", f["oft"], "--model.peft.init_args.block_size", "7"],
+     "model.peft.init_args.block_size: block_size=7 does not divide the input width 64"),
+    ("neumann_terms_out_of_range", lambda f: ["fit", "--config", f["oft"], "--model.peft.init_args.neumann_terms",
+                                              "0"],
+     "model.peft.init_args.neumann_terms: `neumann_terms` must be an integer in [2, 64]"),
+    ("block_size_wrong_type", lambda f: ["fit", "--config", f["oft"], "--model.peft.init_args.block_size", "abc"],
+     "model.peft.init_args.block_size: 'abc' does not fit the type"),
+    ("negative_lr", lambda f: ["fit", "--config", f["lora"], "--model.optimizer.init_args.lr", "-1"],
+     "model.optimizer.init_args.lr: Invalid learning rate: -1.0"),
+    ("negative_momentum", lambda f: ["fit", "--config", f["lora"], "--model.optimizer", "torch.optim.SGD",
+                                     "--model.optimizer.init_args.momentum", "-0.5"],
+     "model.optimizer.init_args.momentum: Invalid momentum value: -0.5"),
+    ("scheduler_without_class", lambda f: ["fit", "--config", f["lora"], "--model.lr_scheduler.init_args.gamma",
+                                           "0.5"],
+     "model.lr_scheduler: Option 'gamma' is not accepted"),
+    ("callback_argument", lambda f: ["fit", "--config", f["lora"], "--trainer.callbacks+=ModelCheckpoint",
+                                     "--trainer.callbacks.mode", "sideways"],
+     "trainer.callbacks[0].init_args.mode: `mode` can be min, max but got sideways"),
+    ("trainer_type", lambda f: ["fit", "--config", f["lora"], "--trainer.max_steps", "many"],
+     "trainer.max_steps: expected int. Got value: many"),
+    ("data_type", lambda f: ["fit", "--config", f["lora"], "--data.init_args.batch_size", "four"],
+     "data.init_args.batch_size: expected int"),
+    ("unknown_peft_class", lambda f: ["fit", "--config", f["oft"], "--model.peft", "oftv2.NoSuchConfig"],
+     "model.peft: class_path 'oftv2.NoSuchConfig': module 'oftv2' has no attribute 'NoSuchConfig'"),
+    ("unknown_key", lambda f: ["fit", "--config", f["lora"], "--model.no_such_key", "1"],
+     "unrecognized arguments: --model.no_such_key 1"),
+    ("missing_config", lambda f: ["fit", "--config", f["root"] / "no_such.yaml"], "no_such.yaml"),
+    ("truncated_jsonl", lambda f: ["fit", "--config", f["lora"], "--data.init_args.train_file",
+                                   f["root"] / "truncated.jsonl"],
+     "truncated.jsonl': line 5, column 12: not valid JSON"),
+    ("csv_extra_field", lambda f: ["fit", "--config", f["lora"], "--data.init_args.train_file",
+                                   f["root"] / "extra_field.csv"],
+     "extra_field.csv': line 3: 3 fields, the header has 2 (prompt, response)"),
+    ("missing_column", lambda f: ["fit", "--config", f["lora"], "--data.init_args.prompt_column", "question"],
+     "has no column 'question'; its columns are: prompt, response"),
+    ("export_garbage", lambda f: ["export", "--ckpt_path", f["bad"] / "garbage.ckpt", "--output", f["root"] / "o"],
+     "garbage.ckpt' is not a PyTorch checkpoint; expected a .ckpt file written by `peftplug fit`"),
+    ("export_truncated", lambda f: ["export", "--ckpt_path", f["bad"] / "truncated.ckpt", "--output",
+                                    f["root"] / "o"],
+     "truncated.ckpt' is truncated or damaged"),
+    ("export_foreign_zip", lambda f: ["export", "--ckpt_path", f["bad"] / "foreign_zip.ckpt", "--output",
+                                      f["root"] / "o"],
+     "foreign_zip.ckpt' is a zip archive but not a PyTorch checkpoint"),
+    ("export_not_peftplug", lambda f: ["export", "--ckpt_path", f["bad"] / "not_peftplug.ckpt", "--output",
+                                       f["root"] / "o"],
+     "not_peftplug.ckpt' is a Lightning checkpoint but not a peftplug adapter checkpoint"),
+    ("export_pickled_object", lambda f: ["export", "--ckpt_path", f["bad"] / "pickled_object.ckpt", "--output",
+                                         f["root"] / "o"],
+     "contains Python objects that peftplug does not unpickle (zipfile.ZipInfo)"),
+    ("export_other_rank", lambda f: ["export", "--ckpt_path", f["bad"] / "other_rank.ckpt", "--output",
+                                     f["root"] / "o"],
+     ("other_rank.ckpt' (model 'tiny:llama' with adapter LORA): checkpoint does not fit this model/adapter: "
+      "shape mismatches")),
+    ("export_other_adapter", lambda f: ["export", "--ckpt_path", f["bad"] / "other_adapter.ckpt", "--output",
+                                        f["root"] / "o"],
+     "(model 'tiny:llama' with adapter OFTV2): checkpoint does not fit this model/adapter: unknown keys"),
+    ("export_other_model", lambda f: ["export", "--ckpt_path", f["bad"] / "other_model.ckpt", "--output",
+                                      f["root"] / "o"],
+     "(model 'tiny:gpt2' with adapter LORA): peft.target_modules ['q_proj', 'v_proj'] match no module"),
+    ("export_directory", lambda f: ["export", "--ckpt_path", f["root"], "--output", f["root"] / "o"],
+     "is a directory; expected a .ckpt file"),
+    ("fit_resume_from_garbage", lambda f: ["fit", "--config", f["lora"], "--ckpt_path", f["bad"] / "garbage.ckpt"],
+     "garbage.ckpt' is not a PyTorch checkpoint"),
+]
+
+
+@pytest.mark.parametrize("make_args, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_naming_the_culprit(files, capsys, make_args, expected):
+    line = _error_line(capsys, main([str(a) for a in make_args(files)]))
+    assert expected in line, line
+
+
+def test_debug_shows_the_traceback(files, capsys, monkeypatch):
+    args = ["export", "--ckpt_path", str(files["bad"] / "garbage.ckpt"), "--output", str(files["root"] / "o")]
+    assert main([*args, "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "CheckpointError" in err and err.rstrip().splitlines()[-1].startswith(
+        "peftplug: error: ")
+    monkeypatch.setenv("PEFTPLUG_DEBUG", "1")
+    assert main(["fit", "--config", str(files["oft"]), "--model.peft.init_args.neumann_terms", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "__post_init__" in err  # the chain reaches the config's own check
+
+
+def test_unknown_exceptions_keep_their_traceback():
+    def buggy(argv):
+        raise ZeroDivisionError("a bug, not an input error")
+
+    with pytest.raises(ZeroDivisionError):
+        run_command("peftplug", buggy, [])
+
+
+def test_help_and_unavailable_subcommand(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as done:
+        main(["export", "--help"])
+    assert done.value.code == 0
+    import peftplug.cli as cli_module
+
+    monkeypatch.setitem(cli_module.SUBCOMMANDS, "dream", "peftplug.no_such_module:main")
+    line = _error_line(capsys, main(["dream", "--x"]))
+    assert line == "peftplug: error: `peftplug dream` is not available: peftplug.no_such_module is not installed"
+
+
+# ---------------------------------------------------------------- the Python API raises the same messages
+def test_checkpoint_api(files):
+    module = load_checkpoint_module(files["ckpt"])
+    saved = torch.load(files["ckpt"], weights_only=True)["state_dict"]
+    assert saved and all(torch.equal(module.state_dict()[k], v) for k, v in saved.items())
+    with pytest.raises(CheckpointError, match="not a PyTorch checkpoint"):
+        read_checkpoint(files["bad"] / "garbage.ckpt")
+    with pytest.raises(MissingFileError, match="does not exist"):
+        read_checkpoint(files["root"] / "none.ckpt")
+
+
+def test_checkpoint_with_peft_enums_loads_weights_only(files, tmp_path):
+    """A module built in Python may keep PEFT's TaskType in hyper_parameters: it is on the allowlist."""
+    from peft.utils.peft_types import TaskType
+
+    saved = torch.load(files["ckpt"], weights_only=True)
+    saved["hyper_parameters"]["peft"]["task_type"] = TaskType.CAUSAL_LM
+    torch.save(saved, tmp_path / "enum.ckpt")
+    module = load_checkpoint_module(tmp_path / "enum.ckpt")
+    assert module.peft_config.task_type == TaskType.CAUSAL_LM
+
+
+def test_check_adapter_dir(files, tmp_path):
+    module = load_checkpoint_module(files["ckpt"])
+    good = module.export(tmp_path / "adapter")
+    assert check_adapter_dir(good) == good
+    weights = (good / "adapter_model.safetensors").read_bytes()
+    cases = {
+        "no_config": ({"adapter_model.safetensors": weights}, "has no adapter_config.json"),
+        "no_weights": ({"adapter_config.json": '{"peft_type": "LORA"}'}, "has no adapter_model.safetensors"),
+        "truncated": ({"adapter_config.json": '{"peft_type": "LORA"}',
+                       "adapter_model.safetensors": weights[:-10]}, "are truncated: the header promises"),
+        "header_only": ({"adapter_config.json": '{"peft_type": "LORA"}',
+                         "adapter_model.safetensors": weights[:6]}, "are truncated (6 bytes)"),
+        "bad_json": ({"adapter_config.json": '{"peft_type": ', "adapter_model.safetensors": weights},
+                     "is not valid JSON"),
+    }
+    for name, (content, expected) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        for file, data in content.items():
+            (folder / file).write_bytes(data if isinstance(data, bytes) else data.encode())
+        with pytest.raises(CheckpointError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+            check_adapter_dir(folder)
+    with pytest.raises(MissingFileError):
+        check_adapter_dir(tmp_path / "missing")
+
+
+def test_read_table_names_the_bad_line(tmp_path):
+    from peftplug.data import read_table
+
+    cases = {
+        "rows.jsonl": ('{"a": 1}\n[1, 2]\n', "line 2: expected a JSON object per line, got list"),
+        "doc.json": ('[{"a": 1},\n {"a": }]\n', "line 2, column 8: not valid JSON (Expecting value)"),
+        "quote.tsv": ('a\tb\n1\t"x\n', "the row starting at line 2: unexpected end of data (an unclosed quote?)"),
+        "latin.csv": ("a\ncaf\xe9\n", "line 2: not UTF-8 text (byte 0xe9)"),
+    }
+    for name, (content, expected) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content.encode("latin-1"))
+        with pytest.raises(DataError) as raised:
+            read_table(str(path), ["a"])
+        assert str(raised.value) == f"data file {str(path)!r}: {expected}"
+
+
+def test_steering_adapter_folder_is_checked(files, capsys, tmp_path):
+    (tmp_path / "empty").mkdir()
+    args = ["steering", "generate", "--model", "tiny:llama", "--adapter", f"{tmp_path / 'empty'}:2", "--prompt",
+            "hi", "--max-new-tokens", "2"]
+    assert f"adapter folder {str(tmp_path / 'empty')!r} has no adapter_config.json" in _error_line(
+        capsys, main(args))
+
+
+def test_prompt_transfer_cli_errors_are_one_line(files, capsys, tmp_path):
+    from prompt_transfer.cli import PROG
+    from prompt_transfer.cli import main as pct_main
+
+    module = load_checkpoint_module(files["ckpt"])
+    lora = module.export(tmp_path / "lora")
+    (tmp_path / "broken").mkdir()
+    line = _error_line(capsys, pct_main(["decompose", str(tmp_path / "broken"), "--out", str(tmp_path / "d")]), PROG)
+    assert "broken' has no adapter_config.json" in line
+    line = _error_line(capsys, pct_main(["decompose", str(lora), "--out", str(tmp_path / "d")]), PROG)
+    assert f"source adapter {str(lora)!r}: " in line and "not PROMPT_TUNING/PCT" in line
+    line = _error_line(capsys, pct_main(["export", str(lora), str(tmp_path / "plain")]), PROG)
+    assert "adapter, not PCT" in line
+
+
+def test_condense_keeps_the_field_and_drops_the_dumps():
+    message = (
+        'Parser key "data":\n  Does not validate against any of the Union subtypes\n  Subtypes: [A, B]\n'
+        "  Errors:\n    - Problem with given class_path 'peftplug.data.CausalLMData':\n"
+        '        Parser key "batch_size":\n          Expected a <class \'int\'>. Got value: x\n'
+        "    - Expected a <class 'NoneType'>\n  Given value type: <class 'NestedArg'>\n  Given value: NestedArg(...)"
+    )
+    assert condense_argument_error(message) == "data.init_args.batch_size: expected int. Got value: x"
