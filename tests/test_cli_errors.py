@@ -88,8 +88,22 @@ def _error_line(capsys, code: int, prog: str = "peftplug") -> str:
     return lines[0]
 
 
+def _export(name: str):
+    """The arguments of `peftplug export` on one of the bad checkpoints."""
+    return lambda f: ["export", "--ckpt_path", f["bad"] / name, "--output", f["root"] / "o"]
+
+
 # (id, arguments given the files fixture, what the error line must contain)
 CASES = [
+    ("unknown_model", lambda f: ["fit", "--config", f["lora"], "--model.model", "/no/such/model"],
+     "model '/no/such/model' not found"),
+    ("unknown_quantization", lambda f: ["fit", "--config", f["lora"], "--model.quantization", "nf3"],
+     "quantization must be one of none, nf4, fp4, int8; got 'nf3'"),
+    ("unknown_target_modules", lambda f: ["fit", "--config", f["lora"], "--model.peft",
+                                          '{"peft_type": "LORA", "target_modules": ["query"]}'],
+     "match no module of the model; modules with weights are named: down_proj, embed_tokens"),
+    ("missing_data_file", lambda f: ["fit", "--config", f["lora"], "--data.init_args.train_file", "/no/such.jsonl"],
+     "data file '/no/such.jsonl' does not exist"),
     ("block_size_not_dividing", lambda f: ["fit", "--config", f["oft"], "--model.peft.init_args.block_size", "7"],
      "model.peft.init_args.block_size: block_size=7 does not divide the input width 64"),
     ("neumann_terms_out_of_range", lambda f: ["fit", "--config", f["oft"], "--model.peft.init_args.neumann_terms",
@@ -125,29 +139,22 @@ CASES = [
      "extra_field.csv': line 3: 3 fields, the header has 2 (prompt, response)"),
     ("missing_column", lambda f: ["fit", "--config", f["lora"], "--data.init_args.prompt_column", "question"],
      "has no column 'question'; its columns are: prompt, response"),
-    ("export_garbage", lambda f: ["export", "--ckpt_path", f["bad"] / "garbage.ckpt", "--output", f["root"] / "o"],
+    ("export_garbage", _export("garbage.ckpt"),
      "garbage.ckpt' is not a PyTorch checkpoint; expected a .ckpt file written by `peftplug fit`"),
-    ("export_truncated", lambda f: ["export", "--ckpt_path", f["bad"] / "truncated.ckpt", "--output",
-                                    f["root"] / "o"],
+    ("export_truncated", _export("truncated.ckpt"),
      "truncated.ckpt' is truncated or damaged"),
-    ("export_foreign_zip", lambda f: ["export", "--ckpt_path", f["bad"] / "foreign_zip.ckpt", "--output",
-                                      f["root"] / "o"],
+    ("export_foreign_zip", _export("foreign_zip.ckpt"),
      "foreign_zip.ckpt' is a zip archive but not a PyTorch checkpoint"),
-    ("export_not_peftplug", lambda f: ["export", "--ckpt_path", f["bad"] / "not_peftplug.ckpt", "--output",
-                                       f["root"] / "o"],
+    ("export_not_peftplug", _export("not_peftplug.ckpt"),
      "not_peftplug.ckpt' is a Lightning checkpoint but not a peftplug adapter checkpoint"),
-    ("export_pickled_object", lambda f: ["export", "--ckpt_path", f["bad"] / "pickled_object.ckpt", "--output",
-                                         f["root"] / "o"],
+    ("export_pickled_object", _export("pickled_object.ckpt"),
      "contains Python objects that peftplug does not unpickle (zipfile.ZipInfo)"),
-    ("export_other_rank", lambda f: ["export", "--ckpt_path", f["bad"] / "other_rank.ckpt", "--output",
-                                     f["root"] / "o"],
+    ("export_other_rank", _export("other_rank.ckpt"),
      ("other_rank.ckpt' (model 'tiny:llama' with adapter LORA): checkpoint does not fit this model/adapter: "
       "shape mismatches")),
-    ("export_other_adapter", lambda f: ["export", "--ckpt_path", f["bad"] / "other_adapter.ckpt", "--output",
-                                        f["root"] / "o"],
+    ("export_other_adapter", _export("other_adapter.ckpt"),
      "(model 'tiny:llama' with adapter OFTV2): checkpoint does not fit this model/adapter: unknown keys"),
-    ("export_other_model", lambda f: ["export", "--ckpt_path", f["bad"] / "other_model.ckpt", "--output",
-                                      f["root"] / "o"],
+    ("export_other_model", _export("other_model.ckpt"),
      "(model 'tiny:gpt2' with adapter LORA): peft.target_modules ['q_proj', 'v_proj'] match no module"),
     ("export_directory", lambda f: ["export", "--ckpt_path", f["root"], "--output", f["root"] / "o"],
      "is a directory; expected a .ckpt file"),
