@@ -341,7 +341,12 @@ def main(argv=None) -> None:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.out.with_suffix(".md.tmp")
-        tmp.write_text(report + f"\n![step time relative to OFTv2]({args.out.stem}.png)\n")
+        page = report + f"\n![step time relative to OFTv2]({args.out.stem}.png)\n"
+        # Keep the Conv2d section benchmarks.oftv2_conv wrote into the same page.
+        from benchmarks.oftv2_conv import marked_section
+
+        conv = marked_section(args.out.read_text()) if args.out.exists() else None
+        tmp.write_text(page + (f"\n{conv}\n" if conv else ""))
         tmp.replace(args.out)
         plot(results, args.out.with_suffix(".png"))
 

@@ -15,7 +15,7 @@ ORTHOGONALIZATIONS = ("cayley_neumann", "cayley", "peft_cn")
 NEUMANN_FORMS = ("cayley_neumann", "peft_cn")
 BIAS_CHOICES = ("none", "all", "oftv2_only")
 KERNEL_IMPLS = ("auto", "torch", "triton")
-CONV_EVALUATIONS = ("weight", "input")
+CONV_EVALUATIONS = ("auto", "weight", "input")
 MAX_NEUMANN_TERMS = 64
 DEFAULT_BLOCK_SIZE = 32
 
@@ -47,10 +47,12 @@ class OFTv2Config(PeftConfig):
         init_weights: ``True`` initialises ``Q = 0`` (``R = I``: the adapted model equals the base model);
             ``False`` draws ``Q`` entries from N(0, 0.1^2) (for tests and debugging only).
         kernel_impl: ``"auto"`` (Triton on CUDA when available, else pure torch), ``"torch"`` or ``"triton"``.
-        conv_evaluation: How ``nn.Conv2d`` layers apply ``R`` (both compute the same function): ``"weight"``
-            (default; convolve with ``W Rᵀ``, rebuilt each step: a conv's weight is small next to its
-            activations, measured faster on CPU, see docs/oftv2.md) or ``"input"`` (rotate the unfolded input
-            patches, then one matmul with the frozen weight; needs k² times the input's memory).
+        conv_evaluation: How ``nn.Conv2d`` layers apply ``R`` (all compute the same function): ``"weight"``
+            (convolve with ``W Rᵀ``, rebuilt each step: cost ∝ out · in·k² · b), ``"input"`` (rotate the
+            unfolded input patches, then one matmul with the frozen weight: cost ∝ pixels · in·k² · b, no weight
+            gradient) or ``"auto"`` (default: per layer and call, ``"input"`` when the output has fewer pixels
+            ``batch · H_out · W_out`` times groups than the layer has output channels, else ``"weight"``, the
+            crossover measured on CPU; see docs/oftv2.md).
         target_modules: Module names (list: exact or suffix match; str: regex) or ``"all-linear"``.
         exclude_modules: Module names (same matching rules) never to adapt.
         layers_to_transform: Layer indices to adapt (int or list of non-negative ints).
@@ -78,8 +80,8 @@ class OFTv2Config(PeftConfig):
     kernel_impl: Literal["auto", "torch", "triton"] = field(
         default="auto", metadata={"help": "Kernel choice."}
     )
-    conv_evaluation: Literal["weight", "input"] = field(
-        default="weight", metadata={"help": f"Conv2d evaluation, one of {CONV_EVALUATIONS}."}
+    conv_evaluation: Literal["auto", "weight", "input"] = field(
+        default="auto", metadata={"help": f"Conv2d evaluation, one of {CONV_EVALUATIONS}."}
     )
     target_modules: list[str] | str | None = field(
         default=None, metadata={"help": "Module names or regex to adapt, or 'all-linear'."}

@@ -14,13 +14,18 @@ the adapter is not the identity at init and its merged weights do not reproduce 
 shape, stride, padding (any mode), dilation and groups.
 
 Two evaluations of the same function (``OFTv2Config.conv_evaluation``):
-    ``"weight"`` (default)  rebuild ``W_flat Rᵀ`` each step (O(out · in·k² · b), small: a conv's weight is tiny
-                            next to its activations) and run the base conv with it. Backward pays one conv
-                            weight-gradient.
-    ``"input"``             unfold the input with the conv's own stride/padding/dilation, rotate the patches
-                            (O(tokens · in·k² · b)), multiply by the frozen ``W_flat``. No weight gradient, but
-                            ``k²`` times the input's memory and a plain matmul instead of the tuned conv.
-Measured on these CPUs the weight-centric form was faster or equal on every UNet-like shape tried (docs/oftv2.md).
+    ``"weight"``  rebuild ``W_flat Rᵀ`` each call and run the base conv with it: the rotation costs
+                  O(out · in·k² · b), independent of the batch, and backward pays one conv weight-gradient.
+    ``"input"``   unfold the input with the conv's own stride/padding/dilation, rotate the patches and multiply
+                  by the frozen ``W_flat``: the rotation costs O(pixels · in·k² · b) (pixels = batch · H_out ·
+                  W_out), no weight gradient, but ``k²`` times the input's memory and a plain matmul instead of
+                  the tuned conv kernel.
+    ``"auto"``    (default) per layer and call: ``"input"`` when ``pixels · groups < out_channels`` (the rotation
+                  of the patches is then the smaller product), else ``"weight"``.
+The crossover was measured on CPU (one thread, b = 32, batch 4, 3 × 3 convs; input / weight step time): 64 ch at
+32 × 32 3.2, 128 ch at 8 × 8 1.2, 256 ch at 8 × 8 0.99, 320 ch at 8 × 8 0.89, 640 ch at 8 × 8 0.58, 640 ch at
+4 × 4 0.28 — the ratio crosses 1 where pixels (256 at 8 × 8) ≈ out_channels. So high-resolution UNet layers run
+weight-centric and the deep low-resolution ones input-centric (benchmarks/oftv2_conv.py).
 """
 
 from __future__ import annotations
@@ -101,6 +106,39 @@ class Conv2d(nn.Module, OFTv2Layer):
             weight = rotate_weight(weight, rotation, impl=self.oftv2_settings[name].impl)
         return weight.reshape(base.weight.shape)
 
+    def _output_size(self, height: int, width: int, padding: tuple[int, int]) -> tuple[int, int]:
+        base = self.get_base_layer()
+        return tuple(
+            (n + 2 * pad - base.dilation[i] * (base.kernel_size[i] - 1) - 1) // base.stride[i] + 1
+            for i, (n, pad) in enumerate(((height, padding[0]), (width, padding[1])))
+        )
+
+    def output_pixels(self, x: torch.Tensor) -> int:
+        """``batch · H_out · W_out`` of the base conv applied to ``x`` (``[B, C, H, W]`` or unbatched ``[C, H, W]``).
+
+        Args:
+            x: The conv's input.
+        """
+        base = self.get_base_layer()
+        batch = x.shape[0] if x.dim() == 4 else 1
+        if base.padding == "same":
+            return batch * x.shape[-2] * x.shape[-1]
+        padding = (0, 0) if base.padding == "valid" else base.padding
+        return batch * math.prod(self._output_size(x.shape[-2], x.shape[-1], padding))
+
+    def evaluation_for(self, x: torch.Tensor) -> str:
+        """``"weight"`` or ``"input"``: how the forward evaluates ``x`` (the first active adapter's
+        ``conv_evaluation``; ``"auto"`` picks the smaller rotation product, see the module docstring).
+
+        Args:
+            x: The conv's input.
+        """
+        choice = self.oftv2_settings[self._active_rotations()[0]].conv_evaluation
+        if choice != "auto":
+            return choice
+        base = self.get_base_layer()
+        return "input" if self.output_pixels(x) * base.groups < base.out_channels else "weight"
+
     def _input_centric(self, x: torch.Tensor) -> torch.Tensor:
         """``(unfold(x) R) W_flatᵀ + b``, folded into the conv's output shape (no weight gradient needed)."""
         base = self.get_base_layer()
@@ -112,9 +150,8 @@ class Conv2d(nn.Module, OFTv2Layer):
             # "same" may pad asymmetrically and non-zero modes pad by reflection etc.: pad as the conv does.
             mode = "constant" if base.padding_mode == "zeros" else base.padding_mode
             x = F.pad(x, base._reversed_padding_repeated_twice, mode=mode)
-            padding = 0
-        kh, kw = base.kernel_size
-        patches = F.unfold(x, (kh, kw), dilation=base.dilation, padding=padding, stride=base.stride)
+            padding = (0, 0)
+        patches = F.unfold(x, base.kernel_size, dilation=base.dilation, padding=padding, stride=base.stride)
         batch, _, n_pixels = patches.shape
         groups, width = base.groups, self.rotation_width()
         # [B, L, groups, width]: every group's filters see their own channel slice through the same R.
@@ -123,10 +160,7 @@ class Conv2d(nn.Module, OFTv2Layer):
         out = torch.einsum("blgk,gok->bgol", patches, weight).reshape(batch, base.out_channels, n_pixels)
         if base.bias is not None:
             out = out + base.bias.to(out.dtype)[:, None]
-        pad_h, pad_w = (padding, padding) if isinstance(padding, int) else padding
-        height = (x.shape[-2] + 2 * pad_h - base.dilation[0] * (kh - 1) - 1) // base.stride[0] + 1
-        width_out = (x.shape[-1] + 2 * pad_w - base.dilation[1] * (kw - 1) - 1) // base.stride[1] + 1
-        out = out.reshape(batch, base.out_channels, height, width_out)
+        out = out.reshape(batch, base.out_channels, *self._output_size(x.shape[-2], x.shape[-1], padding))
         return out.squeeze(0) if unbatched else out
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -135,7 +169,7 @@ class Conv2d(nn.Module, OFTv2Layer):
         active = self._active_rotations()
         if not active:
             return self.base_layer(x, *args, **kwargs)
-        if all(self.oftv2_settings[name].conv_evaluation == "input" for name in active):
+        if self.evaluation_for(x) == "input":
             return self._input_centric(x)
         base = self.get_base_layer()
         return base._conv_forward(x, self.rotated_weight(), base.bias)

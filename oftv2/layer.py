@@ -41,8 +41,8 @@ class RotationSettings:
         max_q_norm: Frobenius-norm bound per skew block, or ``None``.
         block_share: Whether one block is shared across the width.
         impl: Kernel implementation (``"auto"``, ``"torch"``, ``"triton"``).
-        conv_evaluation: How a ``Conv2d`` layer applies the rotation (``"weight"`` or ``"input"``, see
-            ``oftv2.conv``); other layer types ignore it.
+        conv_evaluation: How a ``Conv2d`` layer applies the rotation (``"auto"``, ``"weight"`` or ``"input"``,
+            see ``oftv2.conv``); other layer types ignore it.
     """
 
     form: str
@@ -51,7 +51,7 @@ class RotationSettings:
     max_q_norm: float | None
     block_share: bool
     impl: str
-    conv_evaluation: str = "weight"
+    conv_evaluation: str = "auto"
 
 
 def valid_block_sizes(width: int) -> list[int]:

@@ -93,6 +93,25 @@ def test_weight_and_input_evaluations_agree_in_value_and_gradient(case):
     assert torch.allclose(grad_w, grad_i, rtol=1e-4, atol=1e-4), (grad_w - grad_i).abs().max()
 
 
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_auto_evaluation_counts_output_pixels_and_picks_the_smaller_rotation(case):
+    """auto: input-centric iff batch · H_out · W_out · groups < out_channels; both regimes compute the reference."""
+    model = nn.Sequential(nn.Conv2d(8, 48, **CONV_CASES[case]))
+    conv = model[0]
+    peft_model = peft.get_peft_model(model, OFTv2Config(target_modules=["0"], block_size=4))
+    layer = peft_model.base_model.model[0]
+    randomize_q(peft_model, std=0.1)
+    for shape in ((1, 8, 5, 4), (4, 8, 9, 10), (8, 5, 4)):
+        x = torch.randn(shape)
+        with torch.no_grad():
+            out = layer(x)
+            expected = _reference(conv, x, [_dense_rotation(layer)])
+        pixels = expected.numel() // 48
+        assert layer.output_pixels(x) == pixels
+        assert layer.evaluation_for(x) == ("input" if pixels * conv.groups < 48 else "weight")
+        assert torch.allclose(out, expected, atol=2e-5)
+
+
 def _stack(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(
