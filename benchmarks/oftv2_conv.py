@@ -150,7 +150,6 @@ def measure_stack(channels, size, batch, block, terms, rounds, steps, warmup) ->
         m: torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         for m, model in models.items()
     }
-    times = {m: [] for m in METHODS}
 
     def step(method):
         start = time.process_time()
@@ -160,13 +159,9 @@ def measure_stack(channels, size, batch, block, terms, rounds, steps, warmup) ->
         optims[method].zero_grad(set_to_none=True)
         return time.process_time() - start
 
-    for method in METHODS:
-        for _ in range(warmup):
-            step(method)
-    for r in range(rounds):
-        order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
-        for method in order:
-            times[method].extend(step(method) for _ in range(steps))
+    from benchmarks.oftv2_cpu import interleaved
+
+    times = interleaved(METHODS, step, rounds, steps, warmup)
     out = {}
     for method in METHODS:
         qs = statistics.quantiles(times[method], n=4)

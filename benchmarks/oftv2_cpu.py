@@ -151,19 +151,40 @@ def modelled_peak_bytes(model: nn.Module, batch: torch.Tensor) -> int:
     return params + trainable + 2 * trainable + activations
 
 
+def interleaved(methods, step, rounds: int, steps_per_round: int, warmup: int) -> dict:
+    """Runs ``step(method)`` for every method, round by round; returns ``{method: [step(method) results]}``.
+
+    Args:
+        methods: Method names.
+        step: Runs one timed step of a method and returns its measurement.
+        rounds: Rounds; each runs every method ``steps_per_round`` times.
+        steps_per_round: Steps per method and round.
+        warmup: Untimed steps per method before the first round.
+    """
+    for method in methods:
+        for _ in range(warmup):
+            step(method)
+    times = {method: [] for method in methods}
+    for r in range(rounds):
+        # Rotate the order each round: no method always runs right after the same neighbour.
+        order = methods[r % len(methods) :] + methods[: r % len(methods)]
+        for method in order:
+            times[method].extend(step(method) for _ in range(steps_per_round))
+    return times
+
+
 def measure(widths, layers, vocab, batch, seq, block, terms, rounds, steps_per_round, warmup):
     """Runs every method at every width; returns ``{width: {method: stats}}``."""
     results = {}
     for width in widths:
         tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
-        models, optims, times = {}, {}, {}
+        models, optims = {}, {}
         for method in METHODS:
             model = build(method, width, layers, vocab, block, terms)
             model.train()
             trainable = [p for p in model.parameters() if p.requires_grad]
             models[method] = model
             optims[method] = torch.optim.AdamW(trainable, lr=1e-4)
-            times[method] = []
             results.setdefault(width, {})[method] = {
                 "trainable": sum(p.numel() for p in trainable),
                 "memory": modelled_peak_bytes(model, tokens),
@@ -178,14 +199,7 @@ def measure(widths, layers, vocab, batch, seq, block, terms, rounds, steps_per_r
             opt.zero_grad(set_to_none=True)
             return time.process_time() - start_cpu, time.perf_counter() - start
 
-        for method in METHODS:
-            for _ in range(warmup):
-                step(method)
-        for r in range(rounds):
-            # Rotate the order each round: no method always runs right after the same neighbour.
-            order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
-            for method in order:
-                times[method].extend(step(method) for _ in range(steps_per_round))
+        times = interleaved(METHODS, step, rounds, steps_per_round, warmup)
         for method in METHODS:
             cpu = [c for c, _ in times[method]]
             results[width][method]["median_s"] = statistics.median(cpu)
