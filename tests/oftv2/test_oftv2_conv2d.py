@@ -268,3 +268,24 @@ def test_bad_block_size_lists_valid_sizes_and_unsupported_types_are_named():
         )
     with pytest.raises(ValueError, match="`conv_evaluation` must be one of"):
         OFTv2Config(conv_evaluation="fold")
+
+
+def test_exported_conv_adapter_is_correct_in_peft_once_merged(tmp_path):
+    """Export to PEFT's OFT format: vanilla PEFT loads it, and its merged model computes our forward."""
+    from peft import PeftModel
+
+    from oftv2 import export_peft_oft_adapter, load_peft_oft_adapter
+
+    ours = peft.get_peft_model(
+        _stack(), OFTv2Config(target_modules=["0", "4"], block_size=4, orthogonalization="peft_cn")
+    )
+    randomize_q(ours, std=0.05)
+    x = torch.randn(2, 4, 8, 8)
+    with torch.no_grad():
+        expected = ours(x)
+    export_peft_oft_adapter(ours, tmp_path)
+    vanilla = PeftModel.from_pretrained(_stack(), tmp_path)
+    back = load_peft_oft_adapter(_stack(), tmp_path)
+    with torch.no_grad():
+        assert torch.allclose(back(x), expected, atol=1e-5)
+        assert torch.allclose(vanilla.merge_and_unload()(x), expected, atol=1e-5)
