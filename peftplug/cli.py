@@ -66,6 +66,9 @@ _JSONARGPARSE_NOISE = re.compile(
 )
 # Union alternatives the user did not mean when a value fails (`model.peft` may also be a dict or null).
 _UNION_ALTERNATIVE = re.compile(r"^Expected a <class '(NoneType|dict)'>")
+# The classes LightningCLI's OptimizerCallable/LRSchedulerCallable fall back to when a recipe names none.
+_CALLABLE_BASES = ("torch.optim.Optimizer", "torch.optim.optimizer.Optimizer", "torch.optim.lr_scheduler.LRScheduler",
+                   "typing.Union")
 
 
 def condense_argument_error(message: str) -> str:
@@ -89,9 +92,11 @@ def condense_argument_error(message: str) -> str:
             continue
         if class_path and indent <= class_indent:  # left the block of that class's problem
             class_path = None
+        # A callable type (optimizer, scheduler) built from a class: what follows is about its init_args.
+        line, callable_class = re.subn(r"^Type \S.* expects a function or a callable class: ", "", line)
         key = re.fullmatch(r'Parser key "([^"]+)":\s*(.*)', line)
         if key:
-            path.append(("init_args." if path and class_path else "") + key.group(1))
+            path.append(("init_args." if path and (class_path or callable_class) else "") + key.group(1))
             class_path = None
             if not key.group(2):
                 continue
@@ -105,11 +110,16 @@ def condense_argument_error(message: str) -> str:
         found.append(line)
     kept = [line for line in found if not _UNION_ALTERNATIVE.match(line)] or found
     text = "; ".join(dict.fromkeys(kept)) or message
-    text = re.sub(r"Type \S.* expects a function or a callable class: ", "", text)
     text = re.sub(r"Expected a <class '([\w.]+)'>", r"expected \1", text)
-    # "Option 'lr' is not accepted. Got value: Namespace(class_path='torch.optim.Optimizer', ...)": the class is
-    # the abstract default because the config names none; say so instead of dumping the namespace.
-    text = re.sub(r"\. Got value: Namespace\(class_path='([^']+)'.*", r" by \1 (is its class_path set?)", text)
+    text = re.sub(r"Expected a typing\.Literal\[(.*?)\]", r"expected one of \1", text)
+    dump = re.search(r"\. Got value: Namespace\(class_path='([^']+)'.*", text)
+    if dump:  # drop the namespace dump; name the class that refused the option
+        refused = text.endswith("not accepted", 0, dump.start())
+        if dump.group(1) in _CALLABLE_BASES:  # no class configured: LightningCLI's abstract default took the args
+            suffix = f" (no class_path is set for {'.'.join(path) or 'it'})"
+        else:
+            suffix = f" by {dump.group(1)}" if refused else ""
+        text = text[: dump.start()] + suffix
     return f"{'.'.join(path)}: {text}" if path else text
 
 

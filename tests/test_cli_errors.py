@@ -8,6 +8,7 @@ they raise for that input, and the test checks what the user sees.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import zipfile
 from pathlib import Path
@@ -118,7 +119,13 @@ CASES = [
      "model.optimizer.init_args.momentum: Invalid momentum value: -0.5"),
     ("scheduler_without_class", lambda f: ["fit", "--config", f["lora"], "--model.lr_scheduler.init_args.gamma",
                                            "0.5"],
-     "model.lr_scheduler: Option 'gamma' is not accepted"),
+     "model.lr_scheduler: Option 'gamma' is not accepted (no class_path is set for model.lr_scheduler)"),
+    ("scheduler_choice", lambda f: ["fit", "--config", f["lora"], "--model.lr_scheduler",
+                                    "torch.optim.lr_scheduler.ReduceLROnPlateau",
+                                    "--model.lr_scheduler.init_args.mode", "sideways"],
+     "model.lr_scheduler.init_args.mode: expected one of 'min', 'max'. Got value: sideways"),
+    ("optimizer_unknown_option", lambda f: ["fit", "--config", f["lora"], "--model.optimizer.init_args.foo", "1"],
+     "model.optimizer: Option 'foo' is not accepted by torch.optim.AdamW"),
     ("callback_argument", lambda f: ["fit", "--config", f["lora"], "--trainer.callbacks+=ModelCheckpoint",
                                      "--trainer.callbacks.mode", "sideways"],
      "trainer.callbacks[0].init_args.mode: `mode` can be min, max but got sideways"),
@@ -190,10 +197,14 @@ def test_unknown_exceptions_keep_their_traceback():
 
 
 def test_help_and_unavailable_subcommand(capsys, monkeypatch):
-    with pytest.raises(SystemExit) as done:
-        main(["export", "--help"])
-    assert done.value.code == 0
     import peftplug.cli as cli_module
+
+    for name in cli_module.SUBCOMMANDS:  # every installed subcommand is reached through the table
+        if importlib.util.find_spec(cli_module.SUBCOMMANDS[name].partition(":")[0]) is None:
+            continue
+        with pytest.raises(SystemExit) as done:
+            main([name, "--help"])
+        assert done.value.code == 0 and f"peftplug {name}" in capsys.readouterr().out
 
     monkeypatch.setitem(cli_module.SUBCOMMANDS, "dream", "peftplug.no_such_module:main")
     line = _error_line(capsys, main(["dream", "--x"]))
