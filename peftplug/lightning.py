@@ -20,6 +20,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from peft import PeftConfig
 
+from peftplug.answers import answer_matches
 from peftplug.errors import ConfigError, MissingFileError
 from peftplug.loading import (
     QUANTIZATIONS,
@@ -33,6 +34,16 @@ from peftplug.loading import (
 )
 
 CHECKPOINT_KEY = "peftplug"
+GENERATION_PREFIX = "gen_"
+
+
+def model_inputs(batch: dict) -> dict:
+    """The batch without the generation-evaluation entries (``gen_*``) that data modules may add.
+
+    Args:
+        batch: A batch dict.
+    """
+    return {k: v for k, v in batch.items() if not k.startswith(GENERATION_PREFIX)}
 CHECKPOINT_FORMAT = "adapter-only/1"
 
 
@@ -41,7 +52,8 @@ class PeftModule(L.LightningModule):
 
     Batches are dicts the model accepts (``input_ids``, ``attention_mask``, ``labels``, ...), as the data modules
     in :mod:`peftplug.data` produce them. Logged: ``train_loss``, ``val_loss``/``test_loss`` and the task metric
-    ``val_acc``/``test_acc`` (classification) or ``val_ppl``/``test_ppl`` (language modelling), plus
+    ``val_acc``/``test_acc`` (classification) or ``val_ppl``/``test_ppl`` (language modelling; with chat data
+    from :mod:`peftplug.chat_data` also ``val_acc``/``test_acc``, the accuracy of greedy answers), plus
     ``nonfinite_steps``, the number of steps skipped because the loss was NaN/inf.
 
     Zeroth-order optimizers: if the optimizer has ``is_zeroth_order = True``, training uses manual optimization.
@@ -150,13 +162,36 @@ class PeftModule(L.LightningModule):
         self._sums[name] = self._sums.get(name, torch.zeros((), device=value.device)) + value
 
     def _evaluation_step(self, batch: dict, stage: str) -> None:
-        output = self(**batch)
+        output = self(**model_inputs(batch))
         loss_sum, count = self._counted_loss(batch, output)
         self._accumulate(f"{stage}_loss_sum", loss_sum)
         self._accumulate(f"{stage}_count", count)
         if self.task == "seq_cls":
             correct = (output.logits.argmax(-1) == batch["labels"]).sum()
             self._accumulate(f"{stage}_correct", correct)
+        elif "gen_input_ids" in batch and self.tokenizer is not None:
+            # Chat data (peftplug.chat_data) carries left-padded prompts and reference answers: answer accuracy.
+            texts = self.generate_texts(batch["gen_input_ids"], batch["gen_attention_mask"])
+            correct = sum(answer_matches(t, a) for t, a in zip(texts, batch["gen_answers"]))
+            self._accumulate(f"{stage}_gen_correct", torch.tensor(float(correct), device=self.device))
+            self._accumulate(f"{stage}_gen_count", torch.tensor(float(len(texts)), device=self.device))
+
+    def generate_texts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       max_new_tokens: int | None = None) -> list[str]:
+        """Greedy continuations of left-padded prompts, decoded without special tokens.
+
+        Args:
+            input_ids: Left-padded prompt ids ``[batch, length]``.
+            attention_mask: Their attention mask.
+            max_new_tokens: Tokens to generate at most (default: ``max_new_tokens`` of the module).
+        """
+        tokenizer = self.tokenizer
+        generated = self.model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+            max_new_tokens=max_new_tokens or self.hparams.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        )
+        return tokenizer.batch_decode(generated[:, input_ids.shape[1]:], skip_special_tokens=True)
 
     def _log_epoch_metrics(self, stage: str) -> None:
         """Logs exact dataset-level loss and metric (sums reduced across ranks, then divided)."""
@@ -170,8 +205,11 @@ class PeftModule(L.LightningModule):
         self.log(f"{stage}_loss", loss, prog_bar=True)
         if self.task == "seq_cls":
             self.log(f"{stage}_acc", sums[f"{stage}_correct"] / count, prog_bar=True)
-        else:
-            self.log(f"{stage}_ppl", torch.exp(loss.clamp(max=80.0)), prog_bar=True)
+            return
+        self.log(f"{stage}_ppl", torch.exp(loss.clamp(max=80.0)), prog_bar=True)
+        generated = sums.get(f"{stage}_gen_count")
+        if generated is not None and generated.item() > 0:
+            self.log(f"{stage}_acc", sums[f"{stage}_gen_correct"] / generated, prog_bar=True)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Accumulates loss and metric sums of a validation batch.
@@ -206,7 +244,7 @@ class PeftModule(L.LightningModule):
             batch: Model inputs; ``labels`` are ignored. Causal-LM prompts must be left-padded.
             batch_idx: Index of the batch.
         """
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        inputs = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
         if self.task == "seq_cls":
             return self(**inputs).logits.argmax(-1)
         generated = self.model.generate(**inputs, max_new_tokens=self.hparams.max_new_tokens, do_sample=False)
@@ -243,6 +281,7 @@ class PeftModule(L.LightningModule):
             batch: Model inputs with ``labels``.
             batch_idx: Index of the batch.
         """
+        batch = model_inputs(batch)
         if not self.automatic_optimization:
             return self._zeroth_order_step(batch)
         output = self(**batch)

@@ -28,8 +28,16 @@ _BASE = {
 }
 
 
+# ChatML, as SmolLM2 and Qwen use it, with the tokenizer's EOS token ending each turn (a real chat tokenizer's EOS
+# is its end-of-turn token, e.g. <|im_end|>); gives the chat-data paths a template to test against offline.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + eos_token + "
+    "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
 def char_tokenizer(model_max_length: int = 256):
-    """A fast character-level tokenizer with pad/bos/eos/unk tokens, built offline.
+    """A fast character-level tokenizer with pad/bos/eos/unk tokens and a ChatML-style chat template, built offline.
 
     Returns:
         ``transformers.PreTrainedTokenizerFast`` with vocabulary size :data:`CHAR_VOCAB_SIZE`; padding side left
@@ -44,10 +52,12 @@ def char_tokenizer(model_max_length: int = 256):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
         model_max_length=model_max_length,
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 CHAR_VOCAB_SIZE = 4 + len([c for c in string.printable if c not in "\x0b\x0c\r"])
