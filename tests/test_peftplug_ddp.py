@@ -1,5 +1,6 @@
-"""Data-parallel training on CPU: 2 processes (gloo), first-order and zeroth-order; the adapter weights must
-agree across ranks afterwards (and have changed), although each rank saw different batches."""
+"""Data-parallel training on CPU: 2 processes (gloo), first-order and zeroth-order, LoRA, OFTv2 and QOFT (OFTv2 on
+an NF4 base); the adapter weights must agree across ranks afterwards (and have changed), although each rank saw
+different batches."""
 
 from __future__ import annotations
 
@@ -32,16 +33,29 @@ class SaveRankState(L.Callback):
                    f"{self.directory}/rank{trainer.global_rank}.pt")
 
 
-@pytest.mark.parametrize("order", ["first", "zeroth"])
-def test_ddp_two_processes_keep_adapters_in_sync(tmp_path, order):
+def _adapter(kind: str):
+    """(PEFT config, quantization) of the adapters trained under DDP."""
+    if kind == "lora":
+        return LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False), "none"
+    import oftv2
+
+    return oftv2.OFTv2Config(block_size=16, target_modules=["q_proj", "v_proj", "down_proj"]), (
+        "nf4" if kind == "qoft" else "none")
+
+
+@pytest.mark.parametrize(("order", "kind"), [("first", "lora"), ("zeroth", "lora"), ("first", "oftv2"),
+                                             ("first", "qoft")])
+def test_ddp_two_processes_keep_adapters_in_sync(tmp_path, order, kind):
     rows = [{"prompt": f"{i:02d} plus {i:02d} is", "response": f" {2 * i}"} for i in range(16)]
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     if order == "first":
         optimizer = functools.partial(torch.optim.AdamW, lr=1e-2)
     else:
         optimizer = functools.partial(SPSA, lr=0.05, eps=1e-3, seed=7)
-    module = PeftModule("tiny:llama", peft=LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                      init_lora_weights=False), optimizer=optimizer)
+    if kind == "qoft":
+        pytest.importorskip("bitsandbytes")
+    peft_config, quantization = _adapter(kind)
+    module = PeftModule("tiny:llama", peft=peft_config, quantization=quantization, optimizer=optimizer)
     initial = {n: p.detach().clone() for n, p in module.model.named_parameters() if p.requires_grad}
     data = CausalLMData(train_file=str(tmp_path / "train.jsonl"), validation_file=str(tmp_path / "train.jsonl"),
                         prompt_column="prompt", response_column="response", batch_size=2)

@@ -1,0 +1,171 @@
+"""``peftplug generate`` and ``peftplug chat``: answer prompts with a finetuned adapter (or a bare model).
+
+Examples::
+
+    peftplug generate --ckpt_path runs/quickstart/.../last.ckpt --prompt "Topic of this article ...?"
+    peftplug generate --model smollm2-135m-instruct --prompt "What is the capital of France?"
+    peftplug chat --ckpt_path runs/quickstart/.../last.ckpt
+
+Prompts go through the tokenizer's chat template (``--raw`` sends them as plain text). The system prompt defaults
+to the one the checkpoint was trained with (recorded by :class:`peftplug.chat_data.ChatData`), so a finetuned
+model sees its prompts exactly as in training. Decoding is greedy unless ``--temperature`` is above 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from peftplug.errors import ConfigError
+
+_EXIT_WORDS = {"exit", "quit", "/exit", "/quit"}
+
+
+def _parser(prog: str, chat: bool) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=(
+        "Chat interactively" if chat else "Answer prompts") + " with a peftplug checkpoint or a model.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ckpt_path", help="checkpoint written by `peftplug fit` (adapter on its base model)")
+    source.add_argument("--model", help="a model name (e.g. smollm2-135m-instruct), no adapter")
+    if not chat:
+        parser.add_argument("--prompt", action="append", required=True,
+                            help="a user message; repeat for several (answered as one batch)")
+        parser.add_argument("--raw", action="store_true", help="send prompts as plain text, without chat template")
+    parser.add_argument("--system", default=None,
+                        help="system prompt (default: the checkpoint's training one, else the template's)")
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    parser.add_argument("--seed", type=int, default=0, help="seed for sampling")
+    return parser
+
+
+class Generator:
+    """A model (with its adapter, if any) and tokenizer that answer chat messages.
+
+    Args:
+        ckpt_path: A ``peftplug fit`` checkpoint; its base model is reloaded by name and its adapter applied.
+        model: A model name, used without an adapter when ``ckpt_path`` is ``None``.
+        system: System prompt; ``None`` takes the checkpoint's training system prompt, if it recorded one.
+    """
+
+    def __init__(self, ckpt_path: str | None = None, model: str | None = None, system: str | None = None) -> None:
+        from peftplug.lightning import PeftModule
+
+        if (ckpt_path is None) == (model is None):
+            raise ConfigError("give exactly one of ckpt_path and model")
+        if ckpt_path is not None:
+            from peftplug.checkpoints import load_checkpoint_module, read_checkpoint
+
+            data_hparams = read_checkpoint(ckpt_path, mmap=True).get("datamodule_hyper_parameters") or {}
+            self.module = load_checkpoint_module(ckpt_path)
+            if system is None:
+                system = data_hparams.get("system_prompt")
+        else:
+            self.module = PeftModule(model, task="causal_lm")
+        if self.module.task != "causal_lm" or self.module.tokenizer is None:
+            raise ConfigError(f"generate needs a causal language model with a tokenizer; got task {self.module.task!r}")
+        self.module.eval()
+        self.tokenizer = self.module.tokenizer
+        self.system = system
+
+    def encode(self, messages: list[dict[str, str]], raw: bool = False) -> list[int]:
+        """Token ids of a conversation ending in the assistant's turn (or of raw text).
+
+        Args:
+            messages: ``[{"role": "user" | "assistant", "content": ...}, ...]`` without the system message.
+            raw: Treat the last message's content as plain text (no template, no history).
+        """
+        if raw:
+            return self.tokenizer(messages[-1]["content"])["input_ids"]
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError("the tokenizer has no chat template; use --raw")
+        system = [{"role": "system", "content": self.system}] if self.system is not None else []
+        text = self.tokenizer.apply_chat_template(system + messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def answer(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+               seed: int = 0) -> list[str]:
+        """Answers a batch of encoded prompts (left-padded together).
+
+        Args:
+            prompts: Token id lists from :meth:`encode`.
+            max_new_tokens: Tokens to generate at most.
+            temperature: 0 for greedy decoding; above 0, sampling at this temperature.
+            seed: Seed of the sampling.
+        """
+        import torch
+
+        from peftplug.data import pad_batch
+
+        if max_new_tokens < 1:
+            raise ConfigError(f"--max_new_tokens must be >= 1; got {max_new_tokens}")
+        if temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0; got {temperature}")
+        batch = pad_batch([{"input_ids": p, "attention_mask": [1] * len(p)} for p in prompts],
+                          self.tokenizer.pad_token_id, left=True)
+        if temperature == 0:
+            with torch.inference_mode():
+                return self.module.generate_texts(batch["input_ids"], batch["attention_mask"], max_new_tokens)
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = self.module.model.generate(
+                **batch, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+                pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id)
+        return self.tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def generate_main(argv: Sequence[str]) -> int:
+    """``peftplug generate``: prints one answer per ``--prompt`` (one line each, newlines escaped).
+
+    Args:
+        argv: Arguments after ``generate``.
+    """
+    args = _parser("peftplug generate", chat=False).parse_args(list(argv))
+    generator = Generator(args.ckpt_path, args.model, args.system)
+    prompts = [generator.encode([{"role": "user", "content": p}], raw=args.raw) for p in args.prompt]
+    for text in generator.answer(prompts, args.max_new_tokens, args.temperature, args.seed):
+        print(text.strip().replace("\n", "\\n"), flush=True)
+    return 0
+
+
+def chat_loop(generator: Generator, max_new_tokens: int, temperature: float, stdin: TextIO,
+              stdout: TextIO) -> None:
+    """Reads user messages line by line and prints the assistant's answers, keeping the conversation.
+
+    Args:
+        generator: The model to chat with.
+        max_new_tokens: Tokens per answer at most.
+        temperature: 0 for greedy decoding.
+        stdin: Where messages come from (one per line; ``exit``/``quit`` or end of input stops).
+        stdout: Where prompts and answers go.
+    """
+    history: list[dict[str, Any]] = []
+    while True:
+        stdout.write("you> ")
+        stdout.flush()
+        line = stdin.readline()
+        if not line or line.strip().lower() in _EXIT_WORDS:
+            stdout.write("\n")
+            return
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line.strip()})
+        text = generator.answer([generator.encode(history)], max_new_tokens, temperature)[0].strip()
+        history.append({"role": "assistant", "content": text})
+        stdout.write(f"model> {text}\n")
+        stdout.flush()
+
+
+def chat_main(argv: Sequence[str]) -> int:
+    """``peftplug chat``: an interactive conversation on standard input/output.
+
+    Args:
+        argv: Arguments after ``chat``.
+    """
+    args = _parser("peftplug chat", chat=True).parse_args(list(argv))
+    generator = Generator(args.ckpt_path, args.model, args.system)
+    print("peftplug chat: type a message; 'exit' or Ctrl-D ends.", flush=True)
+    chat_loop(generator, args.max_new_tokens, args.temperature, sys.stdin, sys.stdout)
+    return 0
