@@ -18,6 +18,7 @@ from steering.model import SteeringModel, steering_model_of
 register_method("steering", SteeringConfig, SteeringModel, prefix="steer_")
 
 # Registration first: the generators and converters build PEFT models of this type.
+from steering.easyedit_data import TokenizedPairs, caa_rows, vector_prompt_rows
 from steering.generators import (
     METHODS,
     caa_vectors,
@@ -29,29 +30,36 @@ from steering.generators import (
     vector_prompt_vectors,
 )
 from steering.io import (
+    EASYEDIT_FOLDERS,
     export_easyedit,
     export_gguf,
     import_easyedit,
+    load_easyedit,
     steering_adapter,
 )
 
 __all__ = [
+    "EASYEDIT_FOLDERS",
     "METHODS",
     "OPERATORS",
     "POSITIONS",
     "SteeringConfig",
     "SteeringLayer",
     "SteeringModel",
+    "TokenizedPairs",
+    "caa_rows",
     "caa_vectors",
     "export_easyedit",
     "export_gguf",
     "extract_activations",
     "import_easyedit",
+    "load_easyedit",
     "pca_vectors",
     "steering_adapter",
     "steering_loss",
     "steering_model_of",
     "train_steering_vector",
     "train_vectors",
+    "vector_prompt_rows",
     "vector_prompt_vectors",
 ]

@@ -8,7 +8,13 @@ Where activations are read (``read``):
 - ``"answer"`` (CAA's default, as in EasyEdit2): the mean over the tokens after the longest common token
   prefix of the two texts of a pair -- the "answer" that distinguishes them (at least the last token);
 - ``"last"``: the last token (repeng's choice);
-- ``"mean"``: the mean over all tokens.
+- ``"mean"``: the mean over all tokens;
+- ``"second_to_last"``: the token before the last (EasyEdit2's multiple-choice CAA, whose texts end in
+  ``"\nAnswer: X"``).
+
+Besides ``(positive_text, negative_text)`` pairs, :func:`train_steering_vector` takes EasyEdit2's rows
+(``{"question", "matching", "not_matching"}``, or ``{"input", "output", "prompt"?}`` for vector-prompt), tokenized
+as EasyEdit2 does (:mod:`steering.easyedit_data`), so the CAA vector is exactly EasyEdit2's.
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from steering.easyedit_data import TokenizedPairs, caa_rows, is_rows, vector_prompt_rows
 from steering.families import find_blocks
 
 METHODS = ("caa", "pca_diff", "pca_center", "vector_prompt", "trainable")
-READ_POSITIONS = ("answer", "last", "mean")
+READ_POSITIONS = ("answer", "last", "mean", "second_to_last")
 OBJECTIVES = ("preference", "lm")
 
 
@@ -74,8 +81,9 @@ def _pad_id(tokenizer) -> int:
     return 0
 
 
-def _encode(tokenizer, texts: Sequence[str]) -> list[list[int]]:
-    seqs = [list(tokenizer(t)["input_ids"]) for t in texts]
+def _encode(tokenizer, texts: Sequence) -> list[list[int]]:
+    """Token ids per text; a text given as a list of ids is taken as it is (already tokenized)."""
+    seqs = [list(t) if isinstance(t, (list, tuple)) else list(tokenizer(t)["input_ids"]) for t in texts]
     for t, s in zip(texts, seqs):
         if not s:
             raise ValueError(f"text {t!r} encodes to no tokens")
@@ -123,9 +131,9 @@ def extract_activations(
     Args:
         model: A transformers model or a ``PeftModel`` (its adapters are disabled while reading).
         tokenizer: Its tokenizer (each text is encoded on its own, then right-padded).
-        texts: The texts.
+        texts: The texts (strings, or lists of token ids taken as they are).
         layers: 0-based block indices.
-        read: ``"last"``, ``"mean"`` or ``"answer"`` (needs ``starts``).
+        read: ``"last"``, ``"mean"``, ``"second_to_last"`` or ``"answer"`` (needs ``starts``).
         starts: For ``"answer"``: per text, the index of the first answer token.
         batch_size: Texts per forward pass.
         progress: Show a progress bar.
@@ -166,6 +174,9 @@ def extract_activations(
                     n = len(s)
                     if read == "last":
                         lo_i, hi_i = n - 1, n
+                    elif read == "second_to_last":
+                        lo_i = max(n - 2, 0)
+                        hi_i = lo_i + 1
                     elif read == "mean":
                         lo_i, hi_i = 0, n
                     else:
@@ -179,6 +190,14 @@ def extract_activations(
 
 
 def _pair_activations(model, tokenizer, pairs, layers, read, batch_size, progress):
+    if isinstance(pairs, TokenizedPairs):
+        # EasyEdit2 rows: the answer span is fixed by the tokenized question, not by a common prefix.
+        read = pairs.read if read in (None, "answer", pairs.read) else read
+        pos = extract_activations(model, tokenizer, pairs.pos, layers, read, pairs.pos_start, batch_size, progress,
+                                  desc="matching")
+        neg = extract_activations(model, tokenizer, pairs.neg, layers, read, pairs.neg_start, batch_size, progress,
+                                  desc="not matching")
+        return pos, neg
     pairs = _validate_pairs(pairs)
     pos_texts, neg_texts = [p for p, _ in pairs], [n for _, n in pairs]
     starts_pos = starts_neg = None
@@ -200,7 +219,8 @@ def caa_vectors(model, tokenizer, pairs, layers, read: str = "answer", batch_siz
     Args:
         model: Model (or PeftModel; adapters disabled while reading).
         tokenizer: Tokenizer.
-        pairs: ``(positive_text, negative_text)`` pairs.
+        pairs: ``(positive_text, negative_text)`` pairs, or :class:`~steering.easyedit_data.TokenizedPairs`
+            (EasyEdit2 rows; then ``read`` defaults to the rows' own read position).
         layers: Block indices.
         read: Where to read activations (see module docstring).
         batch_size: Texts per forward.
@@ -294,22 +314,29 @@ def collate_pairs(tokenizer, pairs, device=None) -> dict[str, torch.Tensor]:
 
     Args:
         tokenizer: Tokenizer.
-        pairs: ``(positive_text, negative_text)`` pairs.
+        pairs: ``(positive_text, negative_text)`` pairs, or :class:`~steering.easyedit_data.TokenizedPairs`
+            (then the answer is what follows each row's question).
         device: Target device.
 
     Returns:
         Dict with ``pos_ids, pos_mask, pos_answer, neg_ids, neg_mask, neg_answer`` (``*_answer`` marks the
         tokens whose log-probability is scored).
     """
-    pairs = _validate_pairs(pairs)
-    pos = _encode(tokenizer, [p for p, _ in pairs])
-    neg = _encode(tokenizer, [n for _, n in pairs])
+    if isinstance(pairs, TokenizedPairs):
+        pos, neg = pairs.pos, pairs.neg
+        starts = {"pos": pairs.pos_start, "neg": pairs.neg_start}
+    else:
+        pairs = _validate_pairs(pairs)
+        pos = _encode(tokenizer, [p for p, _ in pairs])
+        neg = _encode(tokenizer, [n for _, n in pairs])
+        common = [_common_prefix(a, b) for a, b in zip(pos, neg)]
+        starts = {"pos": common, "neg": common}
     batch = {}
     for key, seqs in (("pos", pos), ("neg", neg)):
         ids, mask = _right_pad(seqs, _pad_id(tokenizer), device or "cpu")
         answer = torch.zeros_like(mask)
-        for i, (s, other) in enumerate(zip(seqs, neg if key == "pos" else pos)):
-            start = max(1, min(_common_prefix(s, other), len(s) - 1))
+        for i, s in enumerate(seqs):
+            start = max(1, min(starts[key][i], len(s) - 1))
             answer[i, start:len(s)] = 1
         batch[f"{key}_ids"], batch[f"{key}_mask"], batch[f"{key}_answer"] = ids, mask, answer
     return batch
@@ -360,7 +387,7 @@ def train_vectors(
     Args:
         peft_model: ``PeftModel`` with a steering adapter active.
         tokenizer: Tokenizer.
-        pairs: ``(positive_text, negative_text)`` pairs.
+        pairs: ``(positive_text, negative_text)`` pairs or :class:`~steering.easyedit_data.TokenizedPairs`.
         objective: ``"preference"`` or ``"lm"``.
         steps: Optimizer steps.
         lr: Adam learning rate.
@@ -375,7 +402,8 @@ def train_vectors(
     Raises:
         FloatingPointError: If a loss is not finite.
     """
-    pairs = _validate_pairs(pairs)
+    if not isinstance(pairs, TokenizedPairs):
+        pairs = _validate_pairs(pairs)
     if steps < 1 or batch_size < 1 or not lr > 0:
         raise ValueError(f"steps, batch_size must be >= 1 and lr > 0, got {steps}, {batch_size}, {lr}")
     names = set(getattr(peft_model.base_model, "active_adapters", ["default"]))
@@ -394,7 +422,8 @@ def train_vectors(
     try:
         for step in tqdm(range(steps), desc=f"training steering vector ({objective})", disable=not progress):
             idx = torch.randperm(len(pairs), generator=gen)[:batch_size].tolist()
-            batch = collate_pairs(tokenizer, [pairs[i] for i in idx], device)
+            chunk = pairs.subset(idx) if isinstance(pairs, TokenizedPairs) else [pairs[i] for i in idx]
+            batch = collate_pairs(tokenizer, chunk, device)
             loss = steering_loss(peft_model, batch, objective, beta)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite steering loss {loss.item()} at step {step}")
@@ -424,6 +453,9 @@ def train_steering_vector(
     objective: str = "preference",
     steps: int = 50,
     lr: float = 0.05,
+    use_chat_template: bool = False,
+    system_prompt: str | None = None,
+    multiple_choice: bool = False,
     **config_kwargs,
 ):
     """Extracts (or trains) steering vectors and returns the model wrapped as a PEFT steering adapter.
@@ -433,7 +465,11 @@ def train_steering_vector(
             adapter is added next to them).
         tokenizer: Its tokenizer.
         pairs: ``(positive_text, negative_text)`` pairs. For ``"vector_prompt"`` only the positive texts are
-            used, as the inputs the steering ``prompt`` is prepended to.
+            used, as the inputs the steering ``prompt`` is prepended to. Or EasyEdit2's rows: dicts
+            ``{"question", "matching", "not_matching"}`` (any method but ``"vector_prompt"``; the CAA vector is
+            then exactly EasyEdit2's: per row the block output averaged over the answer tokens, i.e. the tokens
+            after the tokenized question, positive minus negative, averaged over rows), or for
+            ``"vector_prompt"`` dicts ``{"input", "output", "prompt"?}`` (EasyEdit2's vector-prompt data).
         method: One of :data:`METHODS`.
         layers: Decoder blocks (0-based) to extract at and steer.
         multiplier: Steering strength stored in the config.
@@ -447,6 +483,10 @@ def train_steering_vector(
         objective: ``"preference"`` or ``"lm"`` for ``"trainable"``.
         steps: Optimizer steps for ``"trainable"``.
         lr: Learning rate for ``"trainable"``.
+        use_chat_template: For rows: wrap each question in the tokenizer's chat template (EasyEdit2's option).
+        system_prompt: For rows: EasyEdit2's ``system_prompt``.
+        multiple_choice: For CAA rows: EasyEdit2's multiple-choice CAA (answers ``"\nAnswer: X"``, read at
+            position -2).
         **config_kwargs: Further :class:`~steering.config.SteeringConfig` fields (e.g. ``layer_multipliers``).
 
     Returns:
@@ -459,8 +499,15 @@ def train_steering_vector(
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    pairs = _validate_pairs(pairs)
     layers = _validate_layers(model, layers)
+    if is_rows(pairs) and method == "vector_prompt":
+        pairs = vector_prompt_rows(tokenizer, pairs, prompt, use_chat_template, system_prompt)
+        read = read or pairs.read
+    elif is_rows(pairs):
+        pairs = caa_rows(tokenizer, pairs, use_chat_template, system_prompt, multiple_choice)
+        read = read or pairs.read
+    else:
+        pairs = _validate_pairs(pairs)
     read = read or ("answer" if method in ("caa", "trainable") else "last")
     config = SteeringConfig(
         layers=layers, multiplier=multiplier, operator=operator, positions=positions, method=method,
@@ -471,6 +518,8 @@ def train_steering_vector(
         vectors = caa_vectors(model, tokenizer, pairs, layers, read, batch_size, progress)
     elif method in ("pca_diff", "pca_center"):
         vectors = pca_vectors(model, tokenizer, pairs, layers, method.split("_")[1], read, batch_size, progress)
+    elif method == "vector_prompt" and isinstance(pairs, TokenizedPairs):
+        vectors = caa_vectors(model, tokenizer, pairs, layers, read, batch_size, progress)
     elif method == "vector_prompt":
         if prompt is None:
             raise ValueError("method='vector_prompt' needs prompt=... (the steering prompt)")

@@ -1,8 +1,22 @@
 """Building adapters from raw vectors, and converters to/from EasyEdit2 folders and repeng/llama.cpp GGUF.
 
-Layer convention everywhere: layer ``L`` is the output of decoder block ``L`` (0-based). EasyEdit2's
-``layer_{L}.pt`` files and repeng's ``direction.{L}`` GGUF tensors use the same index (both hook
-``model.layers[L]``'s output).
+Layer convention everywhere: layer ``L`` is the output of decoder block ``L`` (0-based), i.e. transformers'
+``hidden_states[L + 1]``. EasyEdit2's ``layer_{L}.pt`` files and repeng's ``direction.{L}`` GGUF tensors use the
+same index (both hook ``model.layers[L]``'s output).
+
+EasyEdit2's layout, as its generators write it (``zjunlp/EasyEdit`` ``steer/vector_generators``)::
+
+    <dir>/<dataset>/caa_vector/layer_{L}.pt                   CAA
+    <dir>/<dataset>/caa_vector_multiple_choice/layer_{L}.pt   CAA with multiple_choice (read at position -2)
+    <dir>/<dataset>/vector_prompt_vector/layer_{L}.pt         vector prompt
+    <dir>/<dataset>/merge_vector/layer_{L}_merged_vector.pt   MergeIt (linear / TIES / DARE)
+    <dir>/<dataset>/reps_vector/layer_{L}.pt                  RePS, intervention_method "vector"
+    <dir>/<dataset>/sae_feature_vector/layer_{L}.pt           SAE-feature vectors
+
+Each file holds a bare 1-D ``[hidden]`` tensor (``torch.save``), on the CPU, in the model's dtype; there is no
+metadata file. EasyEdit2's applier points at the *method* folder; :func:`import_easyedit` also accepts the
+dataset folder above it. ``lm_steer_vector/lm_steer_vector.pt`` is a pickled Python list that steers the output
+embedding, not the residual stream; it is refused (reading it would need ``weights_only=False``).
 
 PEFT's own format (``save_pretrained`` / ``PeftModel.from_pretrained``) is the primary one; these converters
 exist for interchange.
@@ -11,39 +25,47 @@ exist for interchange.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import tempfile
 from pathlib import Path
 
 import torch
 
-_LAYER_FILE = re.compile(r"^layer_(\d+)\.pt$")
+from peftplug.errors import CheckpointError, ConfigError, MissingFileError
+from peftplug.fileio import atomic_write
 
-
-def _atomic_torch_save(obj, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+# EasyEdit2 method name -> (folder under <dir>/<dataset>, file name pattern of one layer).
+EASYEDIT_FOLDERS: dict[str, tuple[str, str]] = {
+    "caa": ("caa_vector", "layer_{layer}.pt"),
+    "caa_multiple_choice": ("caa_vector_multiple_choice", "layer_{layer}.pt"),
+    "vector_prompt": ("vector_prompt_vector", "layer_{layer}.pt"),
+    "merge_vector": ("merge_vector", "layer_{layer}_merged_vector.pt"),
+    "reps": ("reps_vector", "layer_{layer}.pt"),
+    "sae_feature": ("sae_feature_vector", "layer_{layer}.pt"),
+}
+_LAYER_FILE = re.compile(r"^layer_(\d+)(?:_merged_vector)?\.pt$")
+_LM_STEER = "lm_steer_vector"
 
 
 def _vectors_of(source, adapter_name: str, scaled: bool) -> tuple[dict[int, torch.Tensor], dict]:
     """``{layer: vector}`` and config provenance of a PeftModel/SteeringModel adapter, or a plain dict."""
     if isinstance(source, dict):
-        return {int(k): torch.as_tensor(v).detach().float().cpu() for k, v in source.items()}, {}
+        return {int(k): torch.as_tensor(v).detach().cpu() for k, v in source.items()}, {}
     from steering.model import steering_model_of
 
     steer = steering_model_of(source)
+    if adapter_name not in steer.peft_config:
+        raise ConfigError(f"no steering adapter {adapter_name!r}; the model has {sorted(steer.peft_config)}")
     config = steer.peft_config[adapter_name]
     vectors = {}
     for layer, module in steer.steering_layers(adapter_name).items():
         v = module._effective_vector(adapter_name, torch.float32).detach().cpu()
         vectors[layer] = module.steer_multiplier[adapter_name] * v if scaled else v
-    return vectors, {"model_type": config.model_type, "method": config.method}
+    ref = next((p for n, p in steer.model.named_parameters() if steer.prefix not in n), None)
+    meta = {"model_type": config.model_type, "method": config.method, "read_position": config.read_position,
+            "dtype": ref.dtype if ref is not None else torch.float32}
+    return vectors, meta
 
 
 def steering_adapter(model, vectors: dict[int, torch.Tensor], adapter_name: str = "default", **config_kwargs):
@@ -76,8 +98,40 @@ def steering_adapter(model, vectors: dict[int, torch.Tensor], adapter_name: str 
     return peft_model
 
 
-def export_easyedit(source, folder: str | os.PathLike, adapter_name: str = "default", scaled: bool = False) -> list[Path]:
-    """Writes EasyEdit2's vector folder: one ``layer_{L}.pt`` (a 1-D fp32 tensor) per steered layer.
+def easyedit_method_of(method: str | None, read_position: str | None = None) -> str:
+    """The EasyEdit2 method folder an adapter's vectors belong in.
+
+    ``caa`` (``caa_multiple_choice`` when read at position -2), ``vector_prompt`` and ``merge:*`` map to their
+    EasyEdit2 folders; vectors of methods EasyEdit2 lacks (PCA, trained) go to ``caa_vector``, whose applier
+    adds any ``layer_{L}.pt`` vector as ``h + m v`` -- exactly what they mean.
+
+    Args:
+        method: ``SteeringConfig.method`` (provenance).
+        read_position: ``SteeringConfig.read_position``.
+    """
+    if method == "caa" and read_position == "second_to_last":
+        return "caa_multiple_choice"
+    if method in EASYEDIT_FOLDERS:
+        return method
+    if method and method.startswith("merge"):
+        return "merge_vector"
+    return "caa"
+
+
+def export_easyedit(
+    source,
+    folder: str | os.PathLike,
+    adapter_name: str = "default",
+    scaled: bool = False,
+    dataset: str | None = None,
+    method: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> list[Path]:
+    """Writes vectors as EasyEdit2 does: one ``torch.save``'d bare 1-D tensor per layer, in the model's dtype.
+
+    With ``dataset`` the files go to ``folder/<dataset>/<method folder>/`` (the tree EasyEdit2's generators
+    write, e.g. ``out/sst2/caa_vector/layer_12.pt``); without it ``folder`` is the method folder itself (what
+    EasyEdit2's ``steer_vector_load_dir`` points at).
 
     Args:
         source: A ``PeftModel``/``SteeringModel`` with the adapter, or a ``{layer: vector}`` dict.
@@ -85,63 +139,162 @@ def export_easyedit(source, folder: str | os.PathLike, adapter_name: str = "defa
         adapter_name: Adapter to export.
         scaled: Fold the multiplier into the vectors (EasyEdit2 applies its own multiplier at load time, so
             the default exports the raw vectors).
+        dataset: EasyEdit2 dataset name (a sub-folder), or ``None`` to write into ``folder`` directly.
+        method: One of :data:`EASYEDIT_FOLDERS` (default: from the adapter's provenance, see
+            :func:`easyedit_method_of`). Decides the folder name and, for ``merge_vector``, the file names.
+        dtype: dtype of the saved tensors (default: the model's parameter dtype; a dict's own dtype).
 
     Returns:
         The written paths.
     """
-    vectors, _ = _vectors_of(source, adapter_name, scaled)
+    vectors, meta = _vectors_of(source, adapter_name, scaled)
     if not vectors:
         raise ValueError("nothing to export: no steering vectors")
+    method = method or easyedit_method_of(meta.get("method"), meta.get("read_position"))
+    if method not in EASYEDIT_FOLDERS:
+        raise ConfigError(f"EasyEdit2 method must be one of {', '.join(EASYEDIT_FOLDERS)}; got {method!r}")
+    subdir, pattern = EASYEDIT_FOLDERS[method]
     folder = Path(folder)
+    if dataset is not None:
+        if not dataset or "/" in dataset or dataset in (".", ".."):
+            raise ConfigError(f"dataset must be a plain folder name (EasyEdit2's dataset name); got {dataset!r}")
+        folder = folder / dataset / subdir
     folder.mkdir(parents=True, exist_ok=True)
+    dtype = dtype or meta.get("dtype")
     paths = []
     for layer, v in sorted(vectors.items()):
-        path = folder / f"layer_{layer}.pt"
-        _atomic_torch_save(v.contiguous(), path)
+        # A bare, contiguous 1-D CPU tensor: what EasyEdit2 saves (no dict, no metadata).
+        tensor = v.reshape(-1).to(dtype or v.dtype).contiguous().clone()
+        path = folder / pattern.format(layer=layer)
+        atomic_write(path, lambda tmp, t=tensor, name=path.name: _torch_save_as(t, tmp, name))
         paths.append(path)
     return paths
 
 
-def import_easyedit(folder: str | os.PathLike, hidden_size: int | None = None) -> dict[int, torch.Tensor]:
-    """Reads an EasyEdit2 vector folder (``layer_{L}.pt`` files).
+def _torch_save_as(tensor: torch.Tensor, tmp: str, name: str) -> None:
+    """``torch.save`` into ``tmp`` as if saved under ``name``.
+
+    torch names the zip archive's root folder after the file it writes (``layer_12.pt`` -> ``layer_12/``), as in
+    EasyEdit2's files; saving under the temporary name would record that name instead.
+    """
+    with tempfile.TemporaryDirectory(dir=Path(tmp).parent, prefix=".easyedit.") as staging:
+        target = Path(staging) / name
+        torch.save(tensor, target)
+        os.replace(target, tmp)
+
+
+def _method_folder(folder: Path) -> Path:
+    """The folder holding the layer files: ``folder`` itself, or its one EasyEdit2 method sub-folder."""
+    if folder.name == _LM_STEER or (folder / f"{_LM_STEER}.pt").exists() or (folder / _LM_STEER).is_dir():
+        raise CheckpointError(
+            f"{folder}: an EasyEdit2 LM-Steer checkpoint (lm_steer_vector.pt, a pickled list that adapts the output "
+            "embedding) is not a residual-stream steering vector and cannot be imported; expected layer_{L}.pt files"
+        )
+    if any(_LAYER_FILE.match(p.name) for p in folder.iterdir()):
+        return folder
+    subs = [p for p in sorted(folder.iterdir()) if p.is_dir() and any(_LAYER_FILE.match(q.name) for q in p.iterdir())]
+    if len(subs) == 1:
+        return subs[0]
+    if len(subs) > 1:
+        raise ConfigError(
+            f"{folder} holds several EasyEdit2 vector folders ({', '.join(p.name for p in subs)}); pass one of them"
+        )
+    raise MissingFileError(
+        f"no layer_{{L}}.pt files in {folder} (expected an EasyEdit2 method folder such as caa_vector/, or the "
+        "dataset folder above one)"
+    )
+
+
+def _load_vector(path: Path) -> torch.Tensor:
+    """One EasyEdit2 layer file: a 1-D tensor, loaded with ``weights_only=True`` only."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"{path} is not a plain tensor file (expected a torch.save'd 1-D tensor; pickled Python objects are never "
+            f"loaded): {first}"
+        ) from None
+    if not torch.is_tensor(obj):
+        raise CheckpointError(f"{path} holds a {type(obj).__name__}, expected a tensor (one EasyEdit2 vector)")
+    if obj.dim() == 2 and 1 in obj.shape:  # some EasyEdit2 generators save [1, hidden]
+        obj = obj.reshape(-1)
+    if obj.dim() != 1:
+        raise CheckpointError(
+            f"{path} holds a tensor of shape {tuple(obj.shape)}, expected one vector [hidden] (multi-concept files "
+            "are not supported)"
+        )
+    if not obj.is_floating_point() or not torch.isfinite(obj).all():
+        raise CheckpointError(f"{path} must hold finite floating-point values")
+    return obj
+
+
+def import_easyedit(
+    folder: str | os.PathLike, hidden_size: int | None = None, keep_dtype: bool = False
+) -> dict[int, torch.Tensor]:
+    """Reads an EasyEdit2 vector folder (``layer_{L}.pt`` or ``layer_{L}_merged_vector.pt`` files).
 
     Args:
-        folder: The folder.
+        folder: The method folder (``.../caa_vector``) or the dataset folder above it (which must then hold
+            exactly one method folder).
         hidden_size: If given, every vector must have this many entries.
+        keep_dtype: Return the tensors in their stored dtype (default: fp32).
 
     Returns:
-        ``{layer: vector}`` (fp32).
+        ``{layer: vector}``.
 
     Raises:
-        FileNotFoundError: If the folder has no ``layer_{L}.pt`` file.
-        ValueError: If a file does not hold a single vector (or has the wrong size).
+        MissingFileError: If the path is missing or holds no layer file.
+        CheckpointError: If a file is not a single finite vector, or is an LM-Steer checkpoint.
+        ConfigError: If the vectors do not have ``hidden_size`` entries, or the dataset folder is ambiguous.
     """
     folder = Path(folder)
+    if folder.is_file():
+        raise ConfigError(f"{folder} is a file; pass its folder (EasyEdit2 keeps one layer_{{L}}.pt per layer)")
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is not a directory")
+        raise MissingFileError(f"EasyEdit2 vector folder {folder} does not exist")
+    folder = _method_folder(folder)
     out = {}
     for path in sorted(folder.iterdir()):
         match = _LAYER_FILE.match(path.name)
         if not match:
             continue
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-        if not torch.is_tensor(obj):
-            raise ValueError(f"{path} holds a {type(obj).__name__}, expected a tensor (EasyEdit2 vector)")
-        if obj.dim() == 2 and 1 in obj.shape:  # some EasyEdit2 generators save [1, hidden]
-            obj = obj.reshape(-1)
-        if obj.dim() != 1:
-            raise ValueError(f"{path} holds a tensor of shape {tuple(obj.shape)}, expected one vector [hidden]")
+        layer = int(match.group(1))
+        if layer in out:
+            raise CheckpointError(f"{folder} has two files for layer {layer}")
+        obj = _load_vector(path)
         if hidden_size is not None and obj.numel() != hidden_size:
-            raise ValueError(f"{path} has {obj.numel()} entries, expected hidden size {hidden_size}")
-        if not torch.isfinite(obj).all():
-            raise ValueError(f"{path} contains non-finite values")
-        out[int(match.group(1))] = obj.float()
-    if not out:
-        raise FileNotFoundError(f"no layer_{{L}}.pt files in {folder}")
+            raise ConfigError(f"{path} has {obj.numel()} entries, expected the model's hidden size {hidden_size}")
+        out[layer] = obj if keep_dtype else obj.float()
     sizes = {v.numel() for v in out.values()}
     if len(sizes) != 1:
-        raise ValueError(f"{folder}: vectors of different sizes {sorted(sizes)}")
-    return out
+        raise CheckpointError(f"{folder}: vectors of different sizes {sorted(sizes)}")
+    return dict(sorted(out.items()))
+
+
+def load_easyedit(
+    model, folder: str | os.PathLike, multiplier: float = 1.0, steer_from_end_position: bool = False,
+    adapter_name: str = "default", **config_kwargs,
+):
+    """An EasyEdit2 vector folder as an active steering adapter on ``model``, with EasyEdit2's apply semantics.
+
+    EasyEdit2 adds ``multiplier * v`` at every token (prompt and generated), or, with its top-level
+    ``steer_from_end_position: true``, from the last prompt token on: that is ``positions="from_last_prompt"``.
+
+    Args:
+        model: A transformers model (or a ``PeftModel`` with steering adapters).
+        folder: Method folder or dataset folder (see :func:`import_easyedit`).
+        multiplier: EasyEdit2's ``multipliers`` entry (one for all layers).
+        steer_from_end_position: EasyEdit2's option of the same name.
+        adapter_name: Name of the new adapter.
+        **config_kwargs: Further ``SteeringConfig`` fields.
+    """
+    from steering.families import hidden_size_of
+
+    vectors = import_easyedit(folder, hidden_size=hidden_size_of(model))
+    config_kwargs.setdefault("method", "easyedit2")
+    positions = "from_last_prompt" if steer_from_end_position else "all"
+    return steering_adapter(model, vectors, adapter_name, multiplier=multiplier, positions=positions, **config_kwargs)
 
 
 def export_gguf(source, path: str | os.PathLike, adapter_name: str = "default", model_hint: str | None = None) -> Path:
@@ -164,18 +317,19 @@ def export_gguf(source, path: str | os.PathLike, adapter_name: str = "default", 
     if not vectors:
         raise ValueError("nothing to export: no steering vectors")
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    writer = gguf.GGUFWriter(str(tmp), "controlvector")
-    writer.add_string("controlvector.model_hint", model_hint or meta.get("model_type") or "unknown")
-    writer.add_uint32("controlvector.layer_count", len(vectors))
-    for layer, v in sorted(vectors.items()):
-        writer.add_tensor(f"direction.{layer}", v.numpy().astype("float32"))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, path)
-    return path
+
+    def write(tmp: str) -> None:
+        writer = gguf.GGUFWriter(tmp, "controlvector")
+        writer.add_string("controlvector.model_hint", model_hint or meta.get("model_type") or "unknown")
+        writer.add_uint32("controlvector.layer_count", len(vectors))
+        for layer, v in sorted(vectors.items()):
+            writer.add_tensor(f"direction.{layer}", v.float().numpy().astype("float32"))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    return atomic_write(path, write)
 
 
 def import_gguf(path: str | os.PathLike) -> dict[int, torch.Tensor]:

@@ -23,6 +23,37 @@ def _get_submodule(module: nn.Module, path: str | None) -> nn.Module | None:
         return None
 
 
+try:
+    # transformers >= 5 records ``hidden_states`` with forward hooks on the decoder-layer *class*
+    # (``_can_record_outputs``), filling the dict held by this context variable. PEFT wraps each steered block, so
+    # that hook sits on the inner block and records the block's output *before* this layer steers it. Older
+    # versions collect what the blocks return in the model's loop (already steered) and have no such module.
+    from transformers.utils.output_capturing import _active_collector as _COLLECTOR
+except ImportError:  # pragma: no cover - transformers < 5
+    _COLLECTOR = None
+
+
+def _report_steered(hidden: torch.Tensor, steered: torch.Tensor) -> None:
+    """Makes ``output_hidden_states`` report this block's *steered* output.
+
+    The inner block's capture hook appended exactly ``hidden`` (the same tensor object) as the last entry when
+    this block's output was being recorded; it is swapped for ``steered``. The identity check leaves every other
+    case alone: hidden states not requested, this index not selected (transformers appends ``None``), or a
+    recording scheme this code does not know.
+    """
+    if _COLLECTOR is None:
+        return
+    try:
+        collected = _COLLECTOR.get()
+    except Exception:  # noqa: BLE001 - an internal API that may change; then report what transformers recorded
+        return
+    if not collected:
+        return
+    recorded = collected.get("hidden_states")
+    if isinstance(recorded, list) and recorded and recorded[-1] is hidden:
+        recorded[-1] = steered
+
+
 class SteeringLayer(nn.Module, BaseTunerLayer):
     """A decoder block with steering vectors applied to its output hidden state.
 
@@ -190,9 +221,11 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
         out = self.base_layer(*args, **kwargs)
         if self._disable_adapters:
             return out
-        if isinstance(out, tuple):
-            return (self.steer(out[0]),) + tuple(out[1:])
-        return self.steer(out)
+        hidden = out[0] if isinstance(out, tuple) else out
+        steered = self.steer(hidden)
+        if steered is not hidden:
+            _report_steered(hidden, steered)
+        return (steered,) + tuple(out[1:]) if isinstance(out, tuple) else steered
 
     # ------------------------------------------------------------------------------------------ merging
     def _bias_module(self) -> nn.Module:

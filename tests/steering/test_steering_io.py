@@ -62,8 +62,9 @@ def test_easyedit_round_trip(tiny_model, tokenizer, tmp_path):
     torch.save({"not": "a tensor"}, tmp_path / "ee" / "layer_3.pt")
     with pytest.raises(ValueError, match="expected a tensor"):
         steering.import_easyedit(tmp_path / "ee")
+    (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no layer_"):
-        steering.import_easyedit(tmp_path)
+        steering.import_easyedit(tmp_path / "empty")
 
 
 def test_gguf_round_trip(tiny_model, tokenizer, tmp_path):
