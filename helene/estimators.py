@@ -16,6 +16,8 @@ losses, the unperturbed loss when the estimator asks for it, ``ε`` and the batc
 - ``"curvature_layer"`` — its mean over the tensor: an unbiased estimate of the tensor's mean Hessian diagonal,
   one float per tensor. The benchmark found per-tensor curvature to be the only level at which a zeroth-order
   estimate carries signal.
+- ``"none"`` — no Hessian at all (one float per tensor, always 0): with ``clip="layer"`` the denominator is the
+  constant ``γ·λ``, so HELENE reduces to MeZO with annealed momentum — the "annealing only" ablation.
 """
 
 from __future__ import annotations
@@ -65,11 +67,16 @@ def _curvature_layer(z, projected, loss_plus, loss_minus, center, eps, batch_siz
     return z.square().mean().sub_(1.0).mul_(kappa)
 
 
+def _none(z, projected, loss_plus, loss_minus, center, eps, batch_size):
+    return torch.zeros((), dtype=torch.float32, device=z.device)
+
+
 HESSIAN_ESTIMATORS: dict[str, HessianEstimator] = {
     "agnb": HessianEstimator("agnb", _agnb),
     "agnb_layer": HessianEstimator("agnb_layer", _agnb_layer, per_tensor=True),
     "curvature": HessianEstimator("curvature", _curvature, needs_center=True),
     "curvature_layer": HessianEstimator("curvature_layer", _curvature_layer, needs_center=True, per_tensor=True),
+    "none": HessianEstimator("none", _none, per_tensor=True),
 }
 
 

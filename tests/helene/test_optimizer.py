@@ -325,3 +325,24 @@ def test_invalid_values_name_the_field():
     with pytest.raises(ValueError, match="closure"):
         ZOSGD(ps).step()
     assert Helene.is_zeroth_order and ZOSGD.is_zeroth_order and ZOAdam.is_zeroth_order
+
+
+def test_hessian_none_is_annealed_momentum_sgd():
+    """The "annealing only" ablation: h ≡ 0 (one float per tensor), so θ −= lr·m/(γ·λ) with the annealed m."""
+    model = _mlp()
+    x, y = _data()
+    lr, lam, gamma, b1 = 1e-2, 2.0, 0.5, 0.9
+    theta = _params(model)
+    opt = Helene(model.parameters(), lr=lr, lam=lam, gamma=gamma, betas=(b1, 0.99), hessian="none",
+                 anneal_horizon=4.0, seed=6)
+    m = {n: torch.zeros_like(t) for n, t in theta.items()}
+    for t in range(3):
+        opt.step(_closure(model, x, y))
+        z = _reference_directions(model, 6, t)
+        alpha = b1 + (1 - b1) * math.exp(-t / 4.0)
+        for n in theta:
+            m[n] = b1 * m[n] + alpha * opt.last_projected_grad * z[n]
+            theta[n] = theta[n] - lr * m[n] / (gamma * lam)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), theta[n], rtol=0, atol=2e-6)
+        assert opt.state[p]["hessian"].shape == () and opt.state[p]["hessian"].item() == 0.0

@@ -1,0 +1,196 @@
+"""HELENE vs MeZO vs ZO-Adam vs AdamW-LoRA on SmolLM2-135M-Instruct with MeZO's prompt-based protocol.
+
+    .venv/bin/python -m benchmarks.helene_llm run      # work through the queue (resumable), then write the page
+    .venv/bin/python -m benchmarks.helene_llm report   # write docs/benchmarks/helene_llm.md from finished runs
+    .venv/bin/python -m benchmarks.helene_llm memory   # peak RSS: inference vs ZO full-parameter vs AdamW
+    .venv/bin/python -m benchmarks.helene_llm speed    # ZO step breakdown: forwards vs perturbation passes
+    .venv/bin/python -m benchmarks.helene_llm probe    # zero-shot plain vs chat rendering on the seed-42 train+dev
+    .venv/bin/python -m benchmarks.helene_llm queue    # print the queue and what has finished
+
+Protocol: LM-BFF/MeZO k-shot splits (k=16 per class, split seeds 42 and 13), the task as a prompt the LM completes
+with a label word (``peftplug.prompt_cls``), loss = cross-entropy over the label words at the answer position,
+accuracy = argmax over them; test on a fixed subset of the k-shot test file (:data:`MAX_TEST`). Zeroth-order runs
+train every parameter (the point of ZO: finetuning at inference memory); AdamW trains LoRA r=8 on the same data.
+The lr of each optimizer comes from a 60-step sweep of 3 values on SST-2 seed 42 (lowest mean training loss over
+the last 20 steps, non-finite runs excluded); RTE uses the SST-2 choice.
+
+Every run is cached as one JSON under ``runs/helene_llm/runs/`` (see :mod:`benchmarks.helene_llm_runs`); ``run``
+skips finished runs, so an interrupted queue resumes where it stopped (a run cut short starts again). The page
+says exactly which runs finished and lists the rest. Run it with one thread at low priority on a shared machine::
+
+    OMP_NUM_THREADS=1 nohup nice -n 10 .venv/bin/python -m benchmarks.helene_llm run > runs/helene_llm/queue.log 2>&1 &
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+from benchmarks.helene_llm_runs import CACHE, MEMORY_MODES, RUNS, RunSpec, execute, load_result
+
+TASKS = ("sst2", "rte")
+SEEDS = (42, 13)
+SWEEP_SEED, SWEEP_TASK, SWEEP_STEPS, MAIN_STEPS = 42, "sst2", 60, 300
+MAX_TEST = {"sst2": 500, "rte": 277}  # SST-2: a fixed 500 of its 872 test sentences (CPU budget); RTE: all 277
+SWEEP_MAX_TEST = 200
+#: Three lr values per optimizer. MeZO's published full-parameter lrs are 1e-7…1e-6 for 1.3B–13B models; a model
+#: 10x smaller tolerates larger steps. HELENE's momentum sums ~1/(1−β1) = 10 SPSA estimates, so its grid sits a
+#: decade lower; Adam normalises per coordinate; LoRA's first-order lrs are the usual ones.
+GRIDS = {
+    "mezo": (1e-6, 1e-5, 1e-4),
+    "helene": (1e-7, 1e-6, 1e-5),
+    "helene_anneal": (1e-7, 1e-6, 1e-5),
+    "zoadam": (1e-6, 1e-5, 1e-4),
+    "adamw_lora": (1e-4, 3e-4, 1e-3),
+}
+PRIORITY = ("mezo", "helene", "helene_anneal", "zoadam", "adamw_lora")
+
+
+def zero_shot_specs() -> list[RunSpec]:
+    """Zero-shot per task. The test file is the same for every split seed, so one run per task suffices."""
+    return [RunSpec(task, SWEEP_SEED, "zeroshot", max_test=MAX_TEST[task]) for task in TASKS]
+
+
+def sweep_specs(method: str) -> list[RunSpec]:
+    """The 60-step lr sweep of one optimizer (SST-2, seed 42)."""
+    return [RunSpec(SWEEP_TASK, SWEEP_SEED, method, lr=lr, steps=SWEEP_STEPS, purpose="sweep",
+                    max_test=SWEEP_MAX_TEST) for lr in GRIDS[method]]
+
+
+def sweep_score(result: dict) -> float:
+    """Mean training loss over the last 20 steps (inf when a step was not finite)."""
+    losses = [s["loss"] for s in result["steps"][-20:]]
+    if result.get("nonfinite_steps") or not losses or any(v is None or not math.isfinite(v) for v in losses):
+        return float("inf")
+    return sum(losses) / len(losses)
+
+
+def selected_lr(method: str) -> float | None:
+    """The sweep's lr for ``method``, or ``None`` until every point of its sweep has finished."""
+    results = [load_result(s) for s in sweep_specs(method)]
+    if any(r is None for r in results):
+        return None
+    best = min(results, key=sweep_score)
+    return best["spec"]["lr"] if sweep_score(best) < float("inf") else None
+
+
+def queue() -> list[tuple[RunSpec | None, str]]:
+    """Every run of the core grid in priority order: ``(spec, "")`` or ``(None, why it cannot start yet)``."""
+    items: list[tuple[RunSpec | None, str]] = [(s, "") for s in zero_shot_specs()]
+    for method in PRIORITY[:2]:
+        items += [(s, "") for s in sweep_specs(method)]
+    for method in PRIORITY[2:]:
+        items += [(s, "") for s in sweep_specs(method)]
+    for seed in SEEDS:
+        for task in TASKS:
+            for method in PRIORITY:
+                lr = selected_lr(method)
+                if lr is None:
+                    items.append((None, f"{task} seed {seed} {method}: waits for its lr sweep"))
+                else:
+                    items.append((RunSpec(task, seed, method, lr=lr, steps=MAIN_STEPS, max_test=MAX_TEST[task]), ""))
+    return items
+
+
+def run_queue(limit: int | None) -> None:
+    """Runs unfinished runs in priority order (re-reading the queue after each, as sweeps select lrs)."""
+    done = 0
+    while limit is None or done < limit:
+        pending = [s for s, _ in queue() if s is not None and load_result(s) is None]
+        if not pending:
+            print("queue: nothing left that can run", flush=True)
+            break
+        spec = pending[0]
+        print(f"{time.strftime('%H:%M:%S')} start {spec.run_id}", flush=True)
+        result = execute(spec)
+        print(f"{time.strftime('%H:%M:%S')} done  {spec.run_id}: test_acc {result['test_acc']:.4f} "
+              f"({result['seconds']:.0f} s)", flush=True)
+        done += 1
+        try:
+            report()
+        except Exception as err:  # noqa: BLE001 - a broken page must not stop the queue: the runs are what cost hours
+            print(f"report failed: {type(err).__name__}: {err}", flush=True)
+
+
+def _subprocess(args: list[str]) -> None:
+    env = {**os.environ, "PYTHONPATH": str(CACHE.parents[1])}
+    subprocess.run([sys.executable, "-m", "benchmarks.helene_llm_runs", *args], check=True, env=env)
+
+
+def memory() -> None:
+    """Peak RSS of each mode in a fresh process (the peak is per process)."""
+    for mode in MEMORY_MODES:
+        print(f"memory: {mode}", flush=True)
+        _subprocess(["--memory", mode, "--out", str(CACHE / f"memory_{mode}.json")])
+
+
+def probe() -> None:
+    """Zero-shot accuracy of both renderings on the seed-42 train+dev examples (64 per binary task)."""
+    import torch
+
+    from benchmarks.helene_llm_runs import DATA_DIR, MODEL
+    from peftplug.loading import load_model, load_tokenizer
+    from peftplug.prompt_cls import PromptClassificationData, prompt_cls_forward
+
+    tokenizer = load_tokenizer(MODEL)
+    model = load_model(MODEL, "prompt_cls").eval()
+    rows = []
+    for task in TASKS:
+        for fmt in ("plain", "chat"):
+            data = PromptClassificationData(task, data_dir=str(DATA_DIR), split_seed=SWEEP_SEED, format=fmt,
+                                            batch_size=16, max_test=1)
+            data.tokenizer = tokenizer
+            data.setup()
+            correct = total = 0
+            for split in ("train", "validation"):
+                for batch in data._loader(split, shuffle=False):
+                    with torch.no_grad():
+                        out = prompt_cls_forward(model, batch)
+                    correct += int((out.logits.argmax(-1) == batch["labels"]).sum())
+                    total += len(batch["labels"])
+            lengths = data.token_lengths()
+            rows.append({"task": task, "format": fmt, "acc": correct / total, "n": total, "template": data.template,
+                         "label_words": list(data.words), "mean_tokens": lengths["train"][0],
+                         "max_tokens": lengths["train"][1]})
+            print(rows[-1], flush=True)
+    (CACHE / "probe.json").write_text(json.dumps(rows, indent=1))
+
+
+def report() -> None:
+    """Writes docs/benchmarks/helene_llm.md (and its plots) from whatever has finished."""
+    from benchmarks.helene_llm_report import write_report
+
+    write_report(queue())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=("run", "report", "memory", "speed", "probe", "queue"))
+    parser.add_argument("--limit", type=int, default=None, help="run: stop after this many runs")
+    args = parser.parse_args()
+    RUNS.mkdir(parents=True, exist_ok=True)
+    if args.command == "run":
+        run_queue(args.limit)
+    elif args.command == "report":
+        report()
+    elif args.command == "memory":
+        memory()
+        report()
+    elif args.command == "speed":
+        _subprocess(["--speed", "--out", str(CACHE / "speed.json")])
+        report()
+    elif args.command == "probe":
+        probe()
+    else:
+        for spec, why in queue():
+            state = "blocked: " + why if spec is None else ("done" if load_result(spec) else "pending")
+            print(f"{'' if spec is None else spec.run_id:70s} {state}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""docs/benchmarks/helene_llm.md from the cached runs of :mod:`benchmarks.helene_llm` (whatever has finished)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from benchmarks.helene_llm_runs import CACHE, MEMORY_MODES, RUNS, RunSpec, load_result
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "benchmarks" / "helene_llm.md"
+NAMES = {"zeroshot": "zero-shot", "mezo": "MeZO (ZO-SGD)", "helene": "HELENE", "helene_anneal": "HELENE anneal only",
+         "zoadam": "ZO-Adam", "adamw_lora": "AdamW LoRA r=8"}
+FORWARDS_PER_STEP = {"mezo": 2, "helene": 2, "helene_anneal": 2, "zoadam": 2, "adamw_lora": 1}
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def _mean_std(values: list[float]) -> str:
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return f"{values[0]:.3f} (1 seed)"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} ({len(values)} seeds)"
+
+
+def _final_loss(result: dict, last: int = 20) -> float | None:
+    losses = [s["loss"] for s in result["steps"][-last:] if s["loss"] is not None]
+    return sum(losses) / len(losses) if losses else None
+
+
+def _smoothed(result: dict, window: int = 10) -> list[tuple[int, float]]:
+    """(step, running mean of the training loss over the last ``window`` steps)."""
+    out, buf = [], []
+    for s in result["steps"]:
+        if s["loss"] is None:
+            continue
+        buf = (buf + [s["loss"]])[-window:]
+        out.append((s["step"], sum(buf) / len(buf)))
+    return out
+
+
+def _steps_to(curve: list[tuple[int, float]], target: float, below: bool = True) -> int | None:
+    for step, value in curve:
+        if (value <= target) if below else (value >= target):
+            return step
+    return None
+
+
+def _overhead_share(result: dict) -> float | None:
+    """Share of a step's wall time spent outside the decoder forwards (perturbation, update, Lightning)."""
+    rows = result["steps"][2:]  # the first steps include lazy allocation of optimizer state
+    total = sum(r["time"] for r in rows)
+    return None if not rows or total == 0 else 1.0 - sum(r["forward_time"] for r in rows) / total
+
+
+def _plot(main: dict[tuple[str, int, str], dict], zero: dict[str, dict], path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({t for t, _, _ in main})
+    if not tasks:
+        return False
+    fig, axes = plt.subplots(2, len(tasks), figsize=(6 * len(tasks), 8), squeeze=False)
+    colors = {"mezo": "C0", "helene": "C1", "helene_anneal": "C2", "zoadam": "C3", "adamw_lora": "C4"}
+    for col, task in enumerate(tasks):
+        ax_loss, ax_acc = axes[0][col], axes[1][col]
+        for (t, seed, method), result in sorted(main.items()):
+            if t != task:
+                continue
+            per = FORWARDS_PER_STEP[method]
+            style = "-" if seed == 42 else "--"
+            curve = _smoothed(result)
+            ax_loss.plot([s * per for s, _ in curve], [v for _, v in curve], style, color=colors[method],
+                         label=f"{NAMES[method]} s{seed}")
+            ax_acc.plot([v["step"] * per for v in result["val"]], [v["acc"] for v in result["val"]], style,
+                        color=colors[method], label=f"{NAMES[method]} s{seed}")
+        if task in zero:
+            ax_acc.axhline(zero[task]["test_acc"], color="k", lw=0.8, ls=":", label="zero-shot (test)")
+        ax_loss.set_title(f"{task}: training loss (running mean of 10 steps)")
+        ax_acc.set_title(f"{task}: dev accuracy (32 examples)")
+        for ax in (ax_loss, ax_acc):
+            ax.set_xlabel("forward passes over a training batch (AdamW: + one backward each)")
+            ax.grid(alpha=0.3)
+        ax_acc.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
+    """Writes the page from the queue's finished runs and lists the rest.
+
+    Args:
+        queue: ``benchmarks.helene_llm.queue()``.
+    """
+    from benchmarks.helene_llm import (
+        GRIDS,
+        MAIN_STEPS,
+        PRIORITY,
+        SWEEP_STEPS,
+        selected_lr,
+        sweep_score,
+        sweep_specs,
+    )
+
+    finished = {spec.run_id: load_result(spec) for spec, _ in queue if spec is not None and load_result(spec)}
+    results = [r for r in finished.values()]
+    zero = {r["spec"]["task"]: r for r in results if r["spec"]["method"] == "zeroshot"}
+    main = {(r["spec"]["task"], r["spec"]["split_seed"], r["spec"]["method"]): r for r in results
+            if r["spec"]["purpose"] == "main" and r["spec"]["method"] != "zeroshot"}
+    lines = [
+        "# HELENE and MeZO on SmolLM2-135M-Instruct, MeZO's prompt-based protocol",
+        "",
+        (f"Generated by `python -m benchmarks.helene_llm report` on {time.strftime('%Y-%m-%d %H:%M')} from the runs "
+        "cached under `runs/helene_llm/` — **only what has finished is reported**; the last section lists the "
+        "rest. Protocol, settings and resume command: the docstring of `benchmarks/helene_llm.py`; method: "
+        "[../helene.md](../helene.md)."),
+        "",
+        ("Setting: SmolLM2-135M-Instruct (fp32, 134.5M parameters, tied embeddings), LM-BFF/MeZO k-shot splits "
+        "(k = 16 per class), the task as a plain-text prompt ending where the label word goes (`peftplug.prompt_cls`),"
+        " loss = cross-entropy over the label words' logits at the answer position, accuracy = argmax over them. "
+        "Zeroth-order runs train **all** parameters (eval mode, ε = 1e-3, batch 16 = the whole 32-example training "
+        f"set in 2 steps, {MAIN_STEPS} steps); AdamW trains LoRA r = 8 (α 16, all linear layers of the blocks) on "
+        "the same batches. One torch thread, `nice 10`, on a 2-core CPU shared with other jobs: wall times are "
+        "indicative only."),
+        "",
+        "## Zero-shot",
+        "",
+        "| task | template | label words | prompt tokens (mean / max, test) | test examples | test accuracy |",
+        "|---|---|---|---|---|---|",
+    ]
+    for task, r in sorted(zero.items()):
+        mean_len, max_len = r["token_lengths"]["test"]
+        template = r["template"].replace("\n", "\\n").replace("|", "\\|")
+        lines.append(f"| {task} | `{template}` | {' / '.join(r['label_words'])} | {mean_len:.1f} / {max_len} | "
+                     f"{r['n_test']} | {r['test_acc']:.3f} |")
+    probe_path = CACHE / "probe.json"
+    if probe_path.is_file():
+        lines += ["", ("Rendering probe (zero-shot accuracy on the 64 train + dev examples of split seed 42; chosen "
+                  "before any training, test data untouched):"), "",
+                  "| task | rendering | accuracy | prompt tokens (mean / max) |", "|---|---|---|---|"]
+        for row in json.loads(probe_path.read_text()):
+            lines.append(f"| {row['task']} | {row['format']} | {row['acc']:.3f} ({row['n']}) | "
+                         f"{row['mean_tokens']:.1f} / {row['max_tokens']} |")
+
+    lines += ["", f"## lr sweeps ({SWEEP_STEPS} steps, SST-2 split seed 42, test on a fixed 200)", "",
+              "Selection: lowest mean training loss over the last 20 steps (a run with a non-finite loss is out).", "",
+              "| optimizer | lr | final train loss | dev acc (end) | test acc | s/step | selected |",
+              "|---|---|---|---|---|---|---|"]
+    for method in PRIORITY:
+        chosen = selected_lr(method)
+        for spec in sweep_specs(method):
+            r = load_result(spec)
+            if r is None:
+                lines.append(f"| {NAMES[method]} | {spec.lr:g} | not run yet | | | | |")
+                continue
+            score = sweep_score(r)
+            per_step = statistics.median(s["time"] for s in r["steps"]) if r["steps"] else None
+            dev = r["val"][-1]["acc"] if r["val"] else None
+            lines.append(f"| {NAMES[method]} | {spec.lr:g} | {'diverged' if score == float('inf') else _fmt(score)} | "
+                         f"{_fmt(dev)} | {r['test_acc']:.3f} | {_fmt(per_step, 1)} | "
+                         f"{'**yes**' if chosen == spec.lr else ''} |")
+
+    lines += ["", f"## Core grid ({MAIN_STEPS} steps)", ""]
+    if not main:
+        lines.append("No run of the core grid has finished yet.")
+    else:
+        lines += [("| task | optimizer | lr | test accuracy (mean ± std over seeds) | vs zero-shot | final train loss "
+                  "(seed 42) | steps to MeZO's final train loss | steps to MeZO's final dev acc |"),
+                  "|---|---|---|---|---|---|---|---|"]
+        for task in sorted({t for t, _, _ in main}):
+            mezo = main.get((task, 42, "mezo"))
+            mezo_loss = _final_loss(mezo, 10) if mezo else None
+            mezo_acc = mezo["val"][-1]["acc"] if mezo and mezo["val"] else None
+            for method in PRIORITY:
+                runs = [main[k] for k in sorted(main) if k[0] == task and k[2] == method]
+                if not runs:
+                    continue
+                accs = [r["test_acc"] for r in runs]
+                base = zero.get(task, {}).get("test_acc")
+                delta = "—" if base is None else f"{statistics.mean(accs) - base:+.3f}"
+                r42 = main.get((task, 42, method))
+                to_loss = to_acc = "—"
+                if r42 and mezo_loss is not None:
+                    hit = _steps_to(_smoothed(r42), mezo_loss)
+                    to_loss = "not reached" if hit is None else str(hit)
+                if r42 and mezo_acc is not None:
+                    hit = _steps_to([(v["step"], v["acc"]) for v in r42["val"]], mezo_acc, below=False)
+                    to_acc = "not reached" if hit is None else str(hit)
+                lines.append(f"| {task} | {NAMES[method]} | {runs[0]['spec']['lr']:g} | {_mean_std(accs)} | {delta} | "
+                             f"{_fmt(_final_loss(r42, 10)) if r42 else '—'} | {to_loss} | {to_acc} |")
+        if _plot(main, zero, DOC.with_name("helene_llm_curves.png")):
+            lines += ["", "![curves](helene_llm_curves.png)"]
+
+    lines += ["", "## Memory (peak RSS of the whole process, measured)", ""]
+    mem = {m: json.loads((CACHE / f"memory_{m}.json").read_text()) for m in MEMORY_MODES
+           if (CACHE / f"memory_{m}.json").is_file()}
+    if not mem:
+        lines.append("Not measured yet (`python -m benchmarks.helene_llm memory`).")
+    else:
+        inference = mem.get("inference", {}).get("peak_rss_mib")
+        lines += [("Each mode in a fresh process (`ru_maxrss`), SST-2 k=16 seed 42, batch 16, 3 steps (inference: 2 "
+                  "test batches of 32), same imports (Lightning + PeftModule) in every mode."), "",
+                  "| mode | trainable parameters | peak RSS (MiB) | × inference |", "|---|---|---|---|"]
+        for mode in MEMORY_MODES:
+            if mode in mem:
+                rss = mem[mode]["peak_rss_mib"]
+                ratio = "—" if not inference else f"{rss / inference:.3f}"
+                lines.append(f"| {mode} | {mem[mode].get('trainable', 0):,} | {rss:.0f} | {ratio} |")
+        if "helene_full" in mem:
+            state = 2 * mem["helene_full"]["trainable"] * 4 / 2**20
+            lines += ["", (f"HELENE keeps two fp32 state vectors (m, h) per trainable parameter: {state:.0f} MiB here, "
+                      "included in its row.")]
+
+    lines += ["", "## Cost of a zeroth-order step", ""]
+    speed_path = CACHE / "speed.json"
+    if speed_path.is_file():
+        sp = json.loads(speed_path.read_text())
+        lines += [(f"Full-parameter steps on random token ids, {sp['length']} tokens per row, "
+                  f"{sp['threads']} thread(s); forward = `prompt_cls_forward` (decoder + label-word rows)."), "",
+                  "| method | batch | step (s) | two forwards (s) | perturb + restore + update (s) | share of the step |",
+                  "|---|---|---|---|---|---|"]
+        for method, rows in sp["steps"].items():
+            rows = rows[1:] or rows  # the first step allocates the optimizer state
+            step = statistics.median(r["step"] for r in rows)
+            fwd = statistics.median(r["forward"] for r in rows)
+            lines.append(f"| {method} | 16 | {step:.2f} | {fwd:.2f} | {step - fwd:.2f} | {(step - fwd) / step:.1%} |")
+        lines += ["", "Forward time per batch size and the share the (batch-independent) overhead would take:", "",
+                  "| batch × tokens | forward (s) | MeZO overhead share | HELENE overhead share |", "|---|---|---|---|"]
+        over = {m: statistics.median(r["overhead"] for r in (rows[1:] or rows)) for m, rows in sp["steps"].items()}
+        for b, fwd in sorted(sp["forward"].items(), key=lambda kv: int(kv[0])):
+            shares = [f"{over[m] / (over[m] + 2 * fwd):.1%}" for m in ("mezo", "helene") if m in over]
+            lines.append(f"| {b} × {sp['length']} | {fwd:.2f} | " + " | ".join(shares) + " |")
+    else:
+        lines.append("Not measured yet (`python -m benchmarks.helene_llm speed`).")
+    shares = [(r["run_id"], _overhead_share(r)) for r in results
+              if r["spec"]["method"] in ("mezo", "helene", "helene_anneal", "zoadam") and r["steps"]]
+    if shares:
+        lines += ["", ("Inside the benchmark runs (real batches; share of step wall time outside the decoder "
+                  "forwards — perturbation, restore, update and Lightning's own bookkeeping):"), "",
+                  "| run | median tokens per batch (width) | share |", "|---|---|---|"]
+        for run_id, share in shares:
+            r = finished[run_id]
+            width = statistics.median(s["width"] for s in r["steps"])
+            tokens = statistics.median(s["tokens"] for s in r["steps"])
+            lines.append(f"| {run_id} | {tokens:.0f} ({16} × {width:.0f} padded) | {_fmt(share and 100 * share, 1)}% |")
+
+    missing = [spec.run_id for spec, _ in queue if spec is not None and spec.run_id not in finished]
+    blocked = [why for spec, why in queue if spec is None]
+    lines += ["", "## What has not run yet", ""]
+    if not missing and not blocked:
+        lines.append("Nothing: the core grid is complete.")
+    lines += [f"- `{m}`" for m in missing] + [f"- {b}" for b in blocked]
+    lines += ["", "Resume (skips finished runs):", "",
+              ("    OMP_NUM_THREADS=1 nohup nice -n 10 .venv/bin/python -m benchmarks.helene_llm run "
+              "> runs/helene_llm/queue.log 2>&1 &"), ""]
+    lines += ["Grids: " + "; ".join(f"{NAMES[m]} {', '.join(f'{v:g}' for v in GRIDS[m])}" for m in PRIORITY) + ".", ""]
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text("\n".join(lines))
+    return DOC
+
+
+__all__ = ["RUNS", "write_report"]

@@ -1,0 +1,351 @@
+"""One run of the SmolLM2 prompt-classification benchmark (zero-shot, zeroth-order or AdamW), cached on disk.
+
+A run is a :class:`RunSpec`; its result is one JSON file ``runs/helene_llm/runs/<run_id>.json`` written atomically
+when the run has finished (an interrupted run leaves nothing and is simply started again). The JSON records the
+exact settings, the git commit, per-step training loss and timings, validation curves and the final test
+accuracy. Training goes through :class:`peftplug.lightning.PeftModule` with ``task="prompt_cls"`` and Lightning
+(manual optimization for the zeroth-order optimizers).
+
+Also: peak-RSS measurements (``--memory MODE``, one fresh process per mode, because the peak is per process) and
+the ZO step-time breakdown (``--speed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "smollm2-135m-instruct"
+CACHE = REPO / "runs" / "helene_llm"
+RUNS = CACHE / "runs"
+DATA_DIR = Path(os.environ.get("PEFTPLUG_DATA_DIR", REPO.parent / "shared" / "data"))
+
+#: Optimizers of the grid. "helene_anneal" = HELENE with no Hessian (h ≡ 0, so the denominator is γ·λ = 1):
+#: MeZO plus annealed momentum — the ablation the reviews point at.
+METHODS = ("zeroshot", "mezo", "helene", "helene_anneal", "zoadam", "adamw_lora")
+ZO_METHODS = ("mezo", "helene", "helene_anneal", "zoadam")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """The exact settings of one run.
+
+    Args:
+        task: Prompt task (``sst2``, ``rte``, ...).
+        split_seed: k-shot split seed (also the optimizer's and the shuffle's seed).
+        method: One of :data:`METHODS`.
+        lr: Learning rate (0 for zero-shot).
+        steps: Optimizer steps (0 for zero-shot).
+        purpose: ``main`` (the grid) or ``sweep`` (lr selection).
+        k: Shots per class.
+        batch_size: Training batch size (16 = the whole 32-example k=16 binary set in 2 steps).
+        eps: Zeroth-order perturbation scale.
+        fmt: Prompt rendering, ``plain`` or ``chat``.
+        max_test: Test examples used at most (fixed subset, the same for every run).
+        eval_every: Validation (the split's dev set) every this many steps.
+    """
+
+    task: str
+    split_seed: int
+    method: str
+    lr: float = 0.0
+    steps: int = 0
+    purpose: str = "main"
+    k: int = 16
+    batch_size: int = 16
+    eps: float = 1e-3
+    fmt: str = "plain"
+    max_test: int = 500
+    eval_every: int = 25
+
+    @property
+    def run_id(self) -> str:
+        """File name of the run's result."""
+        base = f"{self.task}_k{self.k}_s{self.split_seed}_{self.method}_{self.fmt}"
+        if self.method == "zeroshot":
+            return f"{base}_t{self.max_test}"
+        return f"{base}_lr{self.lr:g}_n{self.steps}_b{self.batch_size}_t{self.max_test}_{self.purpose}"
+
+
+def result_path(spec: RunSpec) -> Path:
+    """Where the result JSON of ``spec`` lives."""
+    return RUNS / f"{spec.run_id}.json"
+
+
+def load_result(spec: RunSpec) -> dict | None:
+    """The cached result of ``spec``, or ``None`` when it has not finished."""
+    path = result_path(spec)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             check=False)
+        dirty = subprocess.run(["git", "status", "--porcelain", "helene", "peftplug/prompt_cls.py",
+                                "peftplug/lightning.py", "benchmarks"], cwd=REPO, capture_output=True, text=True,
+                               check=False)
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except OSError:
+        return "unknown"
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+# ------------------------------------------------------------------------------------------------- building
+def optimizer_factory(spec: RunSpec):
+    """The optimizer callable PeftModule calls with the trainable (name, parameter) pairs."""
+    from helene import ZOSGD, Helene, ZOAdam
+
+    seed = spec.split_seed
+    if spec.method == "mezo":
+        return partial(ZOSGD, lr=spec.lr, eps=spec.eps, seed=seed)
+    if spec.method == "zoadam":
+        return partial(ZOAdam, lr=spec.lr, eps=spec.eps, seed=seed)
+    if spec.method in ("helene", "helene_anneal"):
+        # Defaults of helene.Helene (β 0.9/0.99, γ 1, λ 1 per tensor, k 10, T = 10% of the run), A-GNB scaled by
+        # the batch size; the ablation only swaps the estimator.
+        hessian = "agnb" if spec.method == "helene" else "none"
+        return partial(Helene, lr=spec.lr, eps=spec.eps, layerwise="tensor", batch_size=spec.batch_size,
+                       hessian=hessian, seed=seed)
+    if spec.method == "adamw_lora":
+        return partial(torch.optim.AdamW, lr=spec.lr, weight_decay=0.0)
+    raise ValueError(f"no optimizer for method {spec.method!r}")
+
+
+def build(spec: RunSpec):
+    """(PeftModule, PromptClassificationData) of a run."""
+    from peftplug.lightning import PeftModule
+    from peftplug.prompt_cls import PromptClassificationData
+
+    torch.manual_seed(spec.split_seed)  # LoRA's init draws from the global RNG
+    peft = None
+    if spec.method == "adamw_lora":
+        peft = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": LORA_TARGETS}
+    optimizer = None if spec.method == "zeroshot" else optimizer_factory(spec)
+    module = PeftModule(MODEL, task="prompt_cls", peft=peft, optimizer=optimizer)
+    data = PromptClassificationData(spec.task, data_dir=str(DATA_DIR), k=spec.k, split_seed=spec.split_seed,
+                                    format=spec.fmt, max_test=spec.max_test, batch_size=spec.batch_size,
+                                    eval_batch_size=32, seed=spec.split_seed)
+    data.tokenizer = module.tokenizer
+    return module, data
+
+
+class _Recorder:
+    """Lightning callback: per-step loss and wall time, decoder-forward time, validation points."""
+
+    def __init__(self, module) -> None:
+        import lightning as L
+
+        class Callback(L.Callback):
+            pass
+
+        self.steps: list[dict] = []
+        self.val: list[dict] = []
+        self._t0 = 0.0
+        self._fwd = 0.0
+        recorder = self
+
+        lm = module.model.get_base_model() if hasattr(module.model, "get_base_model") else module.model
+        decoder = lm.get_decoder()
+        starts: list[float] = []
+        decoder.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter()))
+
+        def post(*_):
+            recorder._fwd += time.perf_counter() - starts.pop()
+
+        decoder.register_forward_hook(post)
+
+        def on_train_batch_start(cb, trainer, pl_module, batch, batch_idx):
+            recorder._fwd = 0.0
+            recorder._t0 = time.perf_counter()
+
+        def on_train_batch_end(cb, trainer, pl_module, outputs, batch, batch_idx):
+            loss = trainer.callback_metrics.get("train_loss")
+            recorder.steps.append({
+                "step": trainer.global_step, "loss": None if loss is None else float(loss),
+                "time": time.perf_counter() - recorder._t0, "forward_time": recorder._fwd,
+                "tokens": int(batch["attention_mask"].sum()), "width": int(batch["input_ids"].shape[1]),
+            })
+
+        def on_validation_epoch_end(cb, trainer, pl_module):
+            m = trainer.callback_metrics
+            if "val_acc" in m:
+                recorder.val.append({"step": trainer.global_step, "acc": float(m["val_acc"]),
+                                     "loss": float(m["val_loss"])})
+
+        Callback.on_train_batch_start = on_train_batch_start
+        Callback.on_train_batch_end = on_train_batch_end
+        Callback.on_validation_epoch_end = on_validation_epoch_end
+        self.callback = Callback()
+
+
+def _trainer(spec: RunSpec, callbacks: list):
+    import lightning as L
+
+    return L.Trainer(
+        accelerator="cpu", devices=1, max_steps=max(spec.steps, 1), logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        val_check_interval=spec.eval_every, check_val_every_n_epoch=None, callbacks=callbacks,
+        default_root_dir=str(CACHE / "lightning"),
+    )
+
+
+def execute(spec: RunSpec) -> dict:
+    """Runs ``spec`` and writes its result JSON (returns it)."""
+    import lightning as L
+
+    L.seed_everything(spec.split_seed, verbose=False)
+    started = time.time()
+    module, data = build(spec)
+    data.setup()
+    recorder = _Recorder(module)
+    trainer = _trainer(spec, [recorder.callback])
+    trainer.validate(module, datamodule=data, verbose=False)  # step-0 point of the curve
+    if spec.steps > 0:
+        trainer.fit(module, datamodule=data)
+    [test] = trainer.test(module, datamodule=data, verbose=False)
+    opt = trainer.optimizers[0] if trainer.optimizers else None
+    result = {
+        "spec": asdict(spec), "run_id": spec.run_id, "commit": _git_commit(), "model": MODEL,
+        "threads": torch.get_num_threads(), "started": started, "seconds": time.time() - started,
+        "test_acc": test["test_acc"], "test_loss": test["test_loss"], "n_test": len(data.splits["test"]),
+        "label_words": list(data.words), "label_word_ids": data.label_word_ids, "template": data.template,
+        "token_lengths": data.token_lengths(), "steps": recorder.steps, "val": recorder.val,
+        "nonfinite_steps": module.nonfinite_steps,
+        "optimizer": None if opt is None else {"class": type(opt).__name__, **{
+            k: v for k, v in opt.param_groups[0].items() if isinstance(v, (int, float, str, tuple))}},
+        "trainable": sum(p.numel() for p in module.model.parameters() if p.requires_grad),
+        "peak_rss_mib": peak_rss_mib(), "loadavg": os.getloadavg(),
+    }
+    _write_json(result_path(spec), result)
+    return result
+
+
+# --------------------------------------------------------------------------------------------------- memory
+MEMORY_MODES = ("imports", "inference", "mezo_full", "helene_full", "adamw_lora", "adamw_full")
+
+
+def measure_memory(mode: str, steps: int = 3) -> dict:
+    """Peak RSS of this (fresh) process after ``mode``: a few steps (or test batches) on SST-2 k=16 seed 42."""
+    import lightning as L
+
+    from peftplug.lightning import PeftModule
+
+    if mode == "imports":
+        return {"mode": mode, "peak_rss_mib": peak_rss_mib()}
+    method = {"inference": "zeroshot", "mezo_full": "mezo", "helene_full": "helene",
+              "adamw_lora": "adamw_lora", "adamw_full": "adamw_full"}[mode]
+    spec = RunSpec("sst2", 42, method if method != "adamw_full" else "mezo", lr=1e-6, steps=steps, max_test=64)
+    module, data = build(spec)
+    if mode == "adamw_full":
+        module = PeftModule(MODEL, task="prompt_cls", optimizer=partial(torch.optim.AdamW, lr=1e-6))
+        data.tokenizer = module.tokenizer
+    data.setup()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, limit_test_batches=2, default_root_dir=str(CACHE / "lightning"))
+    if mode == "inference":
+        trainer.test(module, datamodule=data, verbose=False)
+    else:
+        trainer.fit(module, datamodule=data)
+    params = sum(p.numel() for p in module.model.parameters())
+    trainable = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
+    return {"mode": mode, "peak_rss_mib": peak_rss_mib(), "params": params, "trainable": trainable,
+            "param_mib": sum(p.numel() * p.element_size() for p in module.model.parameters()) / 2**20,
+            "steps": steps, "batch_size": spec.batch_size}
+
+
+# ---------------------------------------------------------------------------------------------------- speed
+def measure_speed(batches=(8, 16, 32, 64), length: int = 48, steps: int = 3) -> dict:
+    """ZO step breakdown on SmolLM2 full parameters: forward time vs perturbation/update time per step.
+
+    Random token ids, ``length`` tokens, no padding (timing does not depend on content). For each method at batch
+    16 it times ``steps`` optimizer steps and the closures inside them; for each batch size the forward alone.
+    """
+    from helene import ZOSGD, Helene
+    from peftplug.lightning import PeftModule
+    from peftplug.prompt_cls import prompt_cls_forward
+
+    module = PeftModule(MODEL, task="prompt_cls")
+    model = module.model.eval()
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    words = torch.tensor([1109, 13321])
+
+    def batch_of(b):
+        return {"input_ids": torch.randint(0, vocab, (b, length), generator=gen),
+                "attention_mask": torch.ones(b, length, dtype=torch.long), "label_word_ids": words,
+                "labels": torch.randint(0, 2, (b,), generator=gen)}
+
+    out: dict = {"length": length, "threads": torch.get_num_threads(), "params": sum(p.numel() for p in
+                 model.parameters()), "forward": {}, "steps": {}}
+    with torch.no_grad():
+        for b in batches:
+            batch = batch_of(b)
+            prompt_cls_forward(model, batch)
+            times = []
+            for _ in range(2):
+                t = time.perf_counter()
+                prompt_cls_forward(model, batch)
+                times.append(time.perf_counter() - t)
+            out["forward"][b] = min(times)
+    batch = batch_of(16)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for name, make in (("mezo", lambda: ZOSGD(params, lr=1e-7, seed=0)),
+                       ("helene", lambda: Helene(params, lr=1e-7, layerwise="tensor", batch_size=16,
+                                                 anneal_horizon=30.0, seed=0))):
+        opt = make()
+        fwd: list[float] = []
+
+        def closure(fwd=fwd):
+            t = time.perf_counter()
+            loss = prompt_cls_forward(model, batch).loss
+            fwd.append(time.perf_counter() - t)
+            return loss
+
+        rows = []
+        for _ in range(steps):
+            fwd.clear()
+            t = time.perf_counter()
+            opt.step(closure)
+            total = time.perf_counter() - t
+            rows.append({"step": total, "forward": sum(fwd), "overhead": total - sum(fwd)})
+        out["steps"][name] = rows
+        del opt
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--memory", choices=MEMORY_MODES)
+    parser.add_argument("--speed", action="store_true")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    result = measure_memory(args.memory) if args.memory else measure_speed()
+    _write_json(args.out, {**result, "commit": _git_commit(), "loadavg": os.getloadavg()})
+
+
+if __name__ == "__main__":
+    main()
