@@ -7,10 +7,13 @@ Examples::
         --prompt "Once upon a time" --max-new-tokens 50
     peftplug steering export-easyedit --model stories260k --adapter happy/ --out happy_easyedit/
     peftplug steering import-easyedit --model stories260k --folder happy_easyedit/ --out happy2/
+    peftplug steering evaluate --model smollm2-135m-instruct --adapter happy/:4 --prompts prompts.txt \
+        --scorer runs/sst2_classifier --questions facts.jsonl --out eval.json
 
 ``--model`` is ``stories260k`` (or ``stories260k:<data dir>``; the real llama2.c model from the shared data
 directory), ``tiny:<family>``, a local model directory or a Hub id (see ``peftplug.loading``). A pairs JSONL has
-one object per line with ``positive`` and ``negative`` (or ``pos``/``neg``) strings, or a 2-element list.
+one object per line with ``positive`` and ``negative`` (or ``pos``/``neg``) strings, or a 2-element list, or
+EasyEdit2's rows ``{"question", "matching", "not_matching"}`` (then the vector is EasyEdit2's CAA exactly).
 """
 
 from __future__ import annotations
@@ -46,23 +49,35 @@ def load_model_and_tokenizer(spec: str):
     return load_model(spec).eval(), tokenizer
 
 
-def read_pairs(path: str | Path) -> list[tuple[str, str]]:
-    """Reads contrastive pairs from a JSONL file.
-
-    Args:
-        path: JSONL path; each line ``{"positive": ..., "negative": ...}`` (or ``pos``/``neg``) or ``[pos, neg]``.
-    """
-    path = Path(path)
+def _lines(path: Path, what: str, parse_json: bool):
+    """``(line number, JSON value or text)`` of the non-empty lines of ``path``; one-line errors naming the line."""
     if not path.is_file():
-        raise MissingFileError(f"pairs file {path} does not exist")
-    pairs = []
+        raise MissingFileError(f"{what} file {path} does not exist")
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
+        if not parse_json:
+            yield lineno, line
+            continue
         try:
-            obj = json.loads(line)
+            yield lineno, json.loads(line)
         except json.JSONDecodeError as err:
             raise DataError(f"{path}:{lineno}: not JSON ({err.msg})") from None
+
+
+def read_pairs(path: str | Path) -> list:
+    """Reads contrastive pairs (or EasyEdit2 rows) from a JSONL file.
+
+    Args:
+        path: JSONL path; each line ``{"positive": ..., "negative": ...}`` (or ``pos``/``neg``), ``[pos, neg]``,
+            or an EasyEdit2 row ``{"question": ..., "matching": ..., "not_matching": ...}`` (all lines alike).
+    """
+    path = Path(path)
+    pairs = []
+    for lineno, obj in _lines(path, "pairs", parse_json=True):
+        if isinstance(obj, dict) and "matching" in obj:
+            pairs.append(obj)  # an EasyEdit2 row; steering.easyedit_data checks its fields
+            continue
         if isinstance(obj, list) and len(obj) == 2:
             pos, neg = obj
         elif isinstance(obj, dict):
@@ -75,6 +90,8 @@ def read_pairs(path: str | Path) -> list[tuple[str, str]]:
         pairs.append((pos, neg))
     if not pairs:
         raise DataError(f"{path} contains no pairs")
+    if len({isinstance(p, dict) for p in pairs}) > 1:
+        raise DataError(f"{path} mixes EasyEdit2 rows (question/matching/not_matching) with positive/negative pairs")
     return pairs
 
 
@@ -99,6 +116,8 @@ def _cmd_extract(args) -> int:
             model, tokenizer, pairs, method=args.method, layers=args.layers, multiplier=args.multiplier,
             operator=args.operator, positions=args.positions, read=args.read, batch_size=args.batch_size,
             progress=not args.quiet, prompt=args.prompt, objective=args.objective, steps=args.steps, lr=args.lr,
+            use_chat_template=args.use_chat_template, system_prompt=args.system_prompt,
+            multiple_choice=args.multiple_choice,
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
@@ -158,8 +177,9 @@ def _cmd_export_easyedit(args) -> int:
 
     model, _ = load_model_and_tokenizer(args.model)
     peft_model = _load_adapters(model, [args.adapter])
-    paths = steering.export_easyedit(peft_model, args.out, adapter_name="steer0", scaled=args.scaled)
-    print(f"wrote {len(paths)} EasyEdit2 vector files to {args.out}")
+    paths = steering.export_easyedit(peft_model, args.out, adapter_name="steer0", scaled=args.scaled,
+                                     dataset=args.dataset, method=args.method)
+    print(f"wrote {len(paths)} EasyEdit2 vector files to {paths[0].parent}")
     return 0
 
 
@@ -167,13 +187,14 @@ def _cmd_import_easyedit(args) -> int:
     import steering
 
     model, _ = load_model_and_tokenizer(args.model)
-    vectors = steering.import_easyedit(args.folder)
     try:
-        peft_model = steering.steering_adapter(model, vectors, multiplier=args.multiplier, method="easyedit2")
+        peft_model = steering.load_easyedit(model, args.folder, multiplier=args.multiplier,
+                                            steer_from_end_position=args.steer_from_end_position)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     peft_model.save_pretrained(args.out)
-    print(f"wrote steering adapter with layers {sorted(vectors)} to {args.out}")
+    layers = peft_model.base_model.peft_config["default"].layers
+    print(f"wrote steering adapter with layers {layers} to {args.out}")
     return 0
 
 
@@ -187,6 +208,72 @@ def _cmd_export_gguf(args) -> int:
     except ImportError as err:
         raise ConfigError(str(err)) from None
     print(f"wrote control-vector GGUF {path}")
+    return 0
+
+
+def _read_lines(path: str | Path, what: str, keys: tuple[str, ...]) -> list[dict]:
+    """A JSONL file of objects with ``keys`` (or a plain text file, one ``keys[0]`` per line)."""
+    path = Path(path)
+    rows = []
+    for lineno, obj in _lines(path, what, parse_json=path.suffix == ".jsonl"):
+        if isinstance(obj, str):
+            rows.append({keys[0]: obj.strip()})
+            continue
+        if not isinstance(obj, dict) or any(k not in obj for k in keys):
+            raise DataError(f"{path}:{lineno}: expected an object with {', '.join(keys)}")
+        rows.append(obj)
+    if not rows:
+        raise DataError(f"{path} is empty")
+    return rows
+
+
+def _cmd_evaluate(args) -> int:
+    from steering import evaluate as ev
+
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    peft_model = _load_adapters(model, args.adapter) if args.adapter else model
+    requests = [r["prompt"] for r in _read_lines(args.prompts, "prompts", ("prompt",))]
+    if args.raw_prompts:
+        prompts, reference = requests, None
+        if args.instruction:
+            prompts = [f"{args.instruction} {r}" for r in requests]
+            reference = requests
+    else:
+        try:
+            prompts = ev.chat_prompts(tokenizer, requests, args.system_prompt, args.instruction)
+            reference = ev.chat_prompts(tokenizer, requests, args.system_prompt) if args.instruction else None
+        except ValueError as err:
+            raise ConfigError(f"{err} (pass --raw-prompts for a model without one)") from None
+    scorer = None
+    if args.scorer:
+        if not Path(args.scorer).is_dir():
+            raise MissingFileError(f"--scorer {args.scorer} is not a sequence-classification model folder")
+        try:
+            scorer = ev.classifier_scorer(args.scorer, None, positive_label=args.positive_label)
+        except ValueError as err:
+            raise ConfigError(f"--positive-label: {err}") from None
+    questions = answers = steered_questions = None
+    if args.questions:
+        rows = _read_lines(args.questions, "questions", ("question", "answers"))
+        texts = [r["question"] for r in rows]
+        answers = [[a] if isinstance(a, str) else list(a) for a in (r["answers"] for r in rows)]
+        questions = texts if args.raw_prompts else ev.chat_prompts(tokenizer, texts, args.system_prompt)
+        if args.instruction:
+            steered_questions = ([f"{args.instruction} {t}" for t in texts] if args.raw_prompts
+                                 else ev.chat_prompts(tokenizer, texts, args.system_prompt, args.instruction))
+    result = ev.evaluate_steering(
+        peft_model, tokenizer, prompts, scorer, reference_prompts=reference, questions=questions, answers=answers,
+        steered_questions=steered_questions, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+        do_sample=args.temperature > 0, seed=args.seed, temperature=args.temperature or 1.0,
+    )
+    result["requests"] = requests
+    summary = {k: round(v, 4) for k, v in result.items() if isinstance(v, float)}
+    print(json.dumps(summary))
+    if args.out:
+        from peftplug.fileio import atomic_write_text
+
+        atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
     return 0
 
 
@@ -204,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``peftplug steering``."""
     from steering.config import OPERATORS, POSITIONS
     from steering.generators import METHODS, OBJECTIVES, READ_POSITIONS
+    from steering.io import EASYEDIT_FOLDERS
 
     parser = argparse.ArgumentParser(
         prog="peftplug steering",
@@ -226,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--objective", default="preference", choices=OBJECTIVES, help="method trainable")
     ex.add_argument("--steps", type=int, default=50, help="method trainable")
     ex.add_argument("--lr", type=float, default=0.05, help="method trainable")
+    ex.add_argument("--use-chat-template", action="store_true", help="EasyEdit2 rows: chat-format the questions")
+    ex.add_argument("--system-prompt", default=None, help="EasyEdit2 rows: system prompt")
+    ex.add_argument("--multiple-choice", action="store_true", help="EasyEdit2 rows: multiple-choice CAA")
     ex.add_argument("--quiet", action="store_true", help="no progress bars")
     ex.set_defaults(func=_cmd_extract)
 
@@ -240,13 +331,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     ee = _converter(sub, "export-easyedit", "write an adapter as EasyEdit2 layer_{L}.pt files", _cmd_export_easyedit)
     ee.add_argument("--scaled", action="store_true", help="fold the multiplier into the vectors")
+    ee.add_argument("--dataset", default=None, help="write OUT/<dataset>/<method>_vector/ (EasyEdit2's tree)")
+    ee.add_argument("--method", default=None, choices=sorted(EASYEDIT_FOLDERS),
+                    help="EasyEdit2 method folder (default: from the adapter's provenance)")
 
     ie = sub.add_parser("import-easyedit", help="turn an EasyEdit2 vector folder into a PEFT adapter")
     ie.add_argument("--model", required=True)
     ie.add_argument("--folder", required=True)
     ie.add_argument("--out", required=True)
     ie.add_argument("--multiplier", type=float, default=1.0)
+    ie.add_argument("--steer-from-end-position", action="store_true",
+                    help="EasyEdit2's option: steer from the last prompt token on (positions=from_last_prompt)")
     ie.set_defaults(func=_cmd_import_easyedit)
+
+    ev = sub.add_parser("evaluate", help="generate on held-out prompts and score: concept, perplexity, fluency, "
+                                         "distinct-n, instruction following (EasyEdit2's metrics)")
+    ev.add_argument("--model", required=True)
+    ev.add_argument("--adapter", action="append", default=[], help="adapter dir, optionally :multiplier")
+    ev.add_argument("--prompts", required=True, help="text file (one request per line) or JSONL {'prompt': ...}")
+    ev.add_argument("--raw-prompts", action="store_true", help="use the prompts as they are (no chat template)")
+    ev.add_argument("--system-prompt", default=None)
+    ev.add_argument("--instruction", default=None, help="prompt baseline: prepended to every user message")
+    ev.add_argument("--scorer", default=None, help="sequence-classification model folder (concept score)")
+    ev.add_argument("--positive-label", type=int, default=1, help="the concept's class index in --scorer")
+    ev.add_argument("--questions", default=None, help="JSONL {'question': ..., 'answers': [...]} (instruction check)")
+    ev.add_argument("--max-new-tokens", type=int, default=40)
+    ev.add_argument("--batch-size", type=int, default=20)
+    ev.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = seeded sampling")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--out", default=None, help="JSON file for the metrics and generations")
+    ev.set_defaults(func=_cmd_evaluate)
 
     _converter(sub, "export-gguf", "write a repeng/llama.cpp control-vector GGUF (needs `gguf`)", _cmd_export_gguf)
     return parser
