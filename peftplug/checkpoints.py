@@ -19,12 +19,12 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import struct
 import zipfile
 from pathlib import Path
 from typing import Any
 
 from peftplug.errors import CheckpointError, MissingFileError, PeftplugError, one_line
+from peftplug.fileio import safetensors_problem
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -195,29 +195,10 @@ def load_checkpoint_module(ckpt_path: str | os.PathLike, map_location: Any = "cp
 
 def _check_safetensors(path: Path) -> None:
     """Raises CheckpointError unless ``path`` has a readable safetensors header and all the bytes it promises."""
-    size = path.stat().st_size
-    expected = "expected a complete safetensors file (as written by save_pretrained)"
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CheckpointError(f"adapter weights {str(path)!r} are truncated ({size} bytes); {expected}")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > size - 8:
-            raise CheckpointError(f"adapter weights {str(path)!r} are truncated or not safetensors (header of "
-                                  f"{header_len} bytes in a {size}-byte file); {expected}")
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise CheckpointError(f"adapter weights {str(path)!r} have an unreadable header; {expected}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"adapter weights {str(path)!r} have an unreadable header; {expected}")
-    try:
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (TypeError, KeyError, IndexError, ValueError):
-        raise CheckpointError(f"adapter weights {str(path)!r} have an unreadable header; {expected}") from None
-    if 8 + header_len + end > size:
-        raise CheckpointError(f"adapter weights {str(path)!r} are truncated: the header promises "
-                              f"{8 + header_len + end} bytes, the file has {size}; {expected}")
+    problem = safetensors_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"adapter weights {str(path)!r}: {problem}; expected a complete safetensors file "
+                              "(as written by save_pretrained)")
 
 
 def check_adapter_dir(path: str | os.PathLike) -> Path:

@@ -108,9 +108,11 @@ def safetensors_problem(path: str | os.PathLike) -> str | None:
         return "its header is not valid JSON (not a safetensors file)"
     if not isinstance(header, dict):
         return "its header is not a JSON object (not a safetensors file)"
-    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
-            and "data_offsets" in v]
+    try:
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (TypeError, KeyError, IndexError, ValueError):
+        return "its header does not describe tensors (not a safetensors file)"
     expected = 8 + header_len + max(ends, default=0)
     if size < expected:
-        return f"truncated: {size} bytes, the header needs {expected}"
+        return f"truncated: the header promises {expected} bytes, the file has {size}"
     return None

@@ -293,7 +293,8 @@ def build_peft_config(spec: Any, task: str):
         config = cls(**dict(spec.get("init_args") or {}))
     elif isinstance(spec, dict) and "peft_type" in spec:
         kwargs = dict(spec)
-        peft_type = str(kwargs.pop("peft_type")).upper()
+        raw_type = kwargs.pop("peft_type")
+        peft_type = str(getattr(raw_type, "value", raw_type)).upper()  # a PeftType enum or its name
         import_plugin_for(peft_type)
         known = {getattr(k, "value", k): v for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
         if peft_type not in known:

@@ -242,9 +242,9 @@ def test_check_adapter_dir(files, tmp_path):
         "no_config": ({"adapter_model.safetensors": weights}, "has no adapter_config.json"),
         "no_weights": ({"adapter_config.json": '{"peft_type": "LORA"}'}, "has no adapter_model.safetensors"),
         "truncated": ({"adapter_config.json": '{"peft_type": "LORA"}',
-                       "adapter_model.safetensors": weights[:-10]}, "are truncated: the header promises"),
+                       "adapter_model.safetensors": weights[:-10]}, "truncated: the header promises"),
         "header_only": ({"adapter_config.json": '{"peft_type": "LORA"}',
-                         "adapter_model.safetensors": weights[:6]}, "are truncated (6 bytes)"),
+                         "adapter_model.safetensors": weights[:6]}, "shorter than a safetensors header"),
         "bad_json": ({"adapter_config.json": '{"peft_type": ', "adapter_model.safetensors": weights},
                      "is not valid JSON"),
     }
