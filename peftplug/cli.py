@@ -263,8 +263,9 @@ def _cli_classes():
 
         Defaults: ``trainer.default_root_dir=runs`` (so the resolved config never lands in the working directory),
         a Rich progress bar, Lightning's default logger (TensorBoard when installed, else CSV). ``fit`` accepts
-        ``--evaluate_after_fit true``: it then tests on the held-out split and prints ``held-out <metric>: <value>``
-        as the last line.
+        ``--evaluate_before_fit true`` and ``--evaluate_after_fit true``: it then tests on the held-out split before
+        and after training and prints ``held-out <metric> before: <value>`` and ``held-out <metric>: <value>``
+        as the last lines.
         """
 
         def __init__(self, **kwargs: Any) -> None:
@@ -350,11 +351,16 @@ def _cli_classes():
                 raise ConfigError(f"{field}: {one_line(message)}" if field else one_line(message)) from err
 
         def add_arguments_to_parser(self, parser: Any) -> None:
-            """Adds ``--evaluate_after_fit``.
+            """Adds ``--evaluate_before_fit`` and ``--evaluate_after_fit``.
 
             Args:
                 parser: The subcommand parser.
             """
+            parser.add_argument(
+                "--evaluate_before_fit", type=bool, default=False,
+                help="Before fit, test on the held-out split (the untrained adapter: zero-shot for most adapters); "
+                     "printed as 'held-out <metric> before: <value>' next to the after-fit line.",
+            )
             parser.add_argument(
                 "--evaluate_after_fit", type=bool, default=False,
                 help="After fit, test on the held-out split and print 'held-out <metric>: <value>' last.",
@@ -375,18 +381,37 @@ def _cli_classes():
                 callbacks.append(RichProgressBar())
             return super().instantiate_trainer(callbacks=callbacks, **kwargs)
 
-        def after_fit(self) -> None:
-            """Tests on the held-out split and prints the metric when ``--evaluate_after_fit`` is set."""
-            if not self._get(self.config, "evaluate_after_fit", default=False):
-                return
+        def _held_out(self) -> tuple[str, float] | None:
+            """Tests on the held-out split; ``(metric name, value)`` on rank 0, else ``None``."""
             results = self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
             if not self.trainer.is_global_zero or not results:
-                return
+                return None
             metrics = results[0]
             if "test_acc" in metrics:
-                print(f"held-out accuracy: {metrics['test_acc']:.3f}", flush=True)
-            elif "test_ppl" in metrics:
-                print(f"held-out perplexity: {metrics['test_ppl']:.3f}", flush=True)
+                return "accuracy", float(metrics["test_acc"])
+            if "test_ppl" in metrics:
+                return "perplexity", float(metrics["test_ppl"])
+            return None
+
+        def before_fit(self) -> None:
+            """Tests on the held-out split first when ``--evaluate_before_fit`` is set (reported after fit)."""
+            self._before = None
+            if self._get(self.config, "evaluate_before_fit", default=False):
+                self._before = self._held_out()
+                if self._before is not None and not self._get(self.config, "evaluate_after_fit", default=False):
+                    print(f"held-out {self._before[0]} before: {self._before[1]:.3f}", flush=True)
+
+        def after_fit(self) -> None:
+            """Tests on the held-out split and prints the metric when ``--evaluate_after_fit`` is set; with
+            ``--evaluate_before_fit`` the line before it gives the value measured before training."""
+            if not self._get(self.config, "evaluate_after_fit", default=False):
+                return
+            after = self._held_out()
+            before = getattr(self, "_before", None)
+            if before is not None:
+                print(f"held-out {before[0]} before: {before[1]:.3f}", flush=True)
+            if after is not None:
+                print(f"held-out {after[0]}: {after[1]:.3f}", flush=True)
 
     return PeftCLI
 

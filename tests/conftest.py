@@ -98,12 +98,13 @@ TINY_BBC_SPLITS = ["--data.init_args.n_train", "32", "--data.init_args.n_val", "
 
 @pytest.fixture
 def tiny_recipe_args():
-    """Factory: ``tiny_recipe_args(recipe, root_dir, steps, *extra, bbc_subset=False)`` -> ``peftplug fit`` arguments
-    that run ``recipes/<recipe>`` on the tiny offline BERT for ``steps`` steps, quietly, writing under ``root_dir``;
-    ``bbc_subset`` keeps 32/8/8 BBC News articles; ``extra`` are further overrides."""
+    """Factory: ``tiny_recipe_args(recipe, root_dir, steps, *extra, bbc_subset=False, model="tiny:bert")`` ->
+    ``peftplug fit`` arguments that run ``recipes/<recipe>`` on a tiny offline model for ``steps`` steps, quietly,
+    writing under ``root_dir``; ``bbc_subset`` keeps 32/8/8 BBC News articles; ``extra`` are further overrides."""
 
-    def make(recipe: str, root_dir, steps: int, *extra: str, bbc_subset: bool = False) -> list[str]:
-        return ["fit", "--config", str(REPO_ROOT / "recipes" / recipe), "--model.model", "tiny:bert",
+    def make(recipe: str, root_dir, steps: int, *extra: str, bbc_subset: bool = False,
+             model: str = "tiny:bert") -> list[str]:
+        return ["fit", "--config", str(REPO_ROOT / "recipes" / recipe), "--model.model", model,
                 "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(root_dir),
                 "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
                 *(TINY_BBC_SPLITS if bbc_subset else []), *extra]

@@ -43,10 +43,12 @@ def test_recipe_parses(recipe):
 
 
 def test_quickstart_pipeline_runs_on_a_tiny_model(tmp_path, capsys, tiny_recipe_args):
-    """The quickstart recipe with a tiny BERT and a few articles: fit, then the held-out line comes last."""
-    run = cli(tiny_recipe_args("quickstart.yaml", tmp_path, 2, "--trainer.max_epochs", "1",
-                               "--data.init_args.max_length", "32", bbc_subset=True))
+    """The quickstart recipe (chat finetuning of a causal LM) on the tiny Llama with a few articles: test, fit, test;
+    the before and after accuracy lines come last, and the checkpoint answers through `peftplug generate`."""
+    run = cli(tiny_recipe_args("quickstart.yaml", tmp_path, 2, "--data.init_args.n_words", "4",
+                               "--data.init_args.max_length", "200", bbc_subset=True, model="tiny:llama"))
     assert run.trainer.global_step == 2
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("held-out accuracy: ")
-    assert 0.0 <= float(last.split(": ")[1]) <= 1.0
+    before, after = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert before.startswith("held-out accuracy before: ") and after.startswith("held-out accuracy: ")
+    assert all(0.0 <= float(line.split(": ")[1]) <= 1.0 for line in (before, after))
+    assert list(tmp_path.rglob("*.ckpt"))
