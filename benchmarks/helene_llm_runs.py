@@ -189,7 +189,8 @@ class _Recorder:
                 "tokens": int(batch["attention_mask"].sum()), "width": int(batch["input_ids"].shape[1]),
             })
 
-        def on_validation_epoch_end(cb, trainer, pl_module):
+        def on_validation_end(cb, trainer, pl_module):
+            # After the module's epoch-end hook has logged val_acc (callback epoch-end hooks run before it).
             m = trainer.callback_metrics
             if "val_acc" in m:
                 recorder.val.append({"step": trainer.global_step, "acc": float(m["val_acc"]),
@@ -197,7 +198,7 @@ class _Recorder:
 
         Callback.on_train_batch_start = on_train_batch_start
         Callback.on_train_batch_end = on_train_batch_end
-        Callback.on_validation_epoch_end = on_validation_epoch_end
+        Callback.on_validation_end = on_validation_end
         self.callback = Callback()
 
 
