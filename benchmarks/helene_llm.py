@@ -37,6 +37,9 @@ TASKS = ("sst2", "rte")
 SEEDS = (42, 13)
 SWEEP_SEED, SWEEP_TASK, SWEEP_STEPS, MAIN_STEPS = 42, "sst2", 60, 300
 MAX_TEST = {"sst2": 500, "rte": 277}  # SST-2: a fixed 500 of its 872 test sentences (CPU budget); RTE: all 277
+# RTE premises run to 256+ tokens (train mean 96 at 256); 128 cuts the longest premises (from their end) and halves
+# the padded batch width, which is what a CPU step costs. SST-2 prompts are at most 58 tokens.
+MAX_LENGTH = {"sst2": 256, "rte": 128}
 SWEEP_MAX_TEST = 200
 #: Three lr values per optimizer. MeZO's published full-parameter lrs are 1e-7…1e-6 for 1.3B–13B models; a model
 #: 10x smaller tolerates larger steps. HELENE's momentum sums ~1/(1−β1) = 10 SPSA estimates, so its grid sits a
@@ -53,7 +56,8 @@ PRIORITY = ("mezo", "helene", "helene_anneal", "zoadam", "adamw_lora")
 
 def zero_shot_specs() -> list[RunSpec]:
     """Zero-shot per task. The test file is the same for every split seed, so one run per task suffices."""
-    return [RunSpec(task, SWEEP_SEED, "zeroshot", max_test=MAX_TEST[task]) for task in TASKS]
+    return [RunSpec(task, SWEEP_SEED, "zeroshot", max_test=MAX_TEST[task], max_length=MAX_LENGTH[task])
+            for task in TASKS]
 
 
 def sweep_specs(method: str) -> list[RunSpec]:
@@ -93,7 +97,8 @@ def queue() -> list[tuple[RunSpec | None, str]]:
                 if lr is None:
                     items.append((None, f"{task} seed {seed} {method}: waits for its lr sweep"))
                 else:
-                    items.append((RunSpec(task, seed, method, lr=lr, steps=MAIN_STEPS, max_test=MAX_TEST[task]), ""))
+                    items.append((RunSpec(task, seed, method, lr=lr, steps=MAIN_STEPS, max_test=MAX_TEST[task],
+                                          max_length=MAX_LENGTH[task]), ""))
     return items
 
 

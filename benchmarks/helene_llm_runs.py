@@ -54,6 +54,7 @@ class RunSpec:
         fmt: Prompt rendering, ``plain`` or ``chat``.
         max_test: Test examples used at most (fixed subset, the same for every run).
         eval_every: Validation (the split's dev set) every this many steps.
+        max_length: Prompt tokens at most (the first field — sentence or premise — is cut from its end).
     """
 
     task: str
@@ -68,11 +69,14 @@ class RunSpec:
     fmt: str = "plain"
     max_test: int = 500
     eval_every: int = 25
+    max_length: int = 256
 
     @property
     def run_id(self) -> str:
         """File name of the run's result."""
         base = f"{self.task}_k{self.k}_s{self.split_seed}_{self.method}_{self.fmt}"
+        if self.max_length != 256:
+            base += f"_L{self.max_length}"
         if self.method == "zeroshot":
             return f"{base}_t{self.max_test}"
         return f"{base}_lr{self.lr:g}_n{self.steps}_b{self.batch_size}_t{self.max_test}_{self.purpose}"
@@ -146,7 +150,8 @@ def build(spec: RunSpec):
     optimizer = None if spec.method == "zeroshot" else optimizer_factory(spec)
     module = PeftModule(MODEL, task="prompt_cls", peft=peft, optimizer=optimizer)
     data = PromptClassificationData(spec.task, data_dir=str(DATA_DIR), k=spec.k, split_seed=spec.split_seed,
-                                    format=spec.fmt, max_test=spec.max_test, batch_size=spec.batch_size,
+                                    format=spec.fmt, max_test=spec.max_test, max_length=spec.max_length,
+                                    batch_size=spec.batch_size,
                                     eval_batch_size=32, seed=spec.split_seed)
     data.tokenizer = module.tokenizer
     return module, data
