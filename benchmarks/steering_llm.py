@@ -1,0 +1,322 @@
+"""Steering SmolLM2-135M-Instruct, measured the way EasyEdit2 measures it: generations on held-out prompts.
+
+Run from the repo root (resumable: finished settings are cached, the doc is rewritten after each)::
+
+    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python -m benchmarks.steering_llm            # all settings
+    .venv/bin/python -m benchmarks.steering_llm --report-only                            # doc from the cache
+    .venv/bin/python -m benchmarks.steering_llm --budget-minutes 30                      # stop after 30 min
+
+What runs, in this order (so that a partial run already compares every method):
+
+1. the concept scorer: an OFTv2 sentiment classifier on all-MiniLM-L6-v2, trained on SST-2 by
+   ``benchmarks/steering_llm_classifier.py`` (its dev accuracy is reported);
+2. the unsteered model and EasyEdit2's *prompt* baseline (a steering instruction before each user message),
+   both directions;
+3. vector methods -- CAA and PCA-center on EasyEdit2-style SST-2 rows, vector-prompt on EasyEdit2
+   ``{input, output, prompt}`` rows, a trained (preference / BiPO-like) vector on the same rows -- over layers x
+   multipliers x both directions (more positive: ``+m``, more negative: ``-m``). Every vector is rescaled to the
+   norm of the CAA vector of its layer, so a multiplier means the same length for every method and only the
+   direction differs; ``positions="all"`` (EasyEdit2's default).
+
+Per setting: greedy generations (``--new-tokens``, default 40) on the held-out openers in the chat template, scored
+by :func:`steering.evaluate.evaluate_steering` (positive rate, perplexity under the unsteered model, fluency,
+distinct-n, share of factual answers kept). Then the steered vs unsteered generation throughput (interleaved).
+Results: ``runs/steering_llm/<concept>/results/*.json``; report: ``docs/benchmarks/steering_llm.md`` + plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "smollm2-135m-instruct"
+VECTOR_METHODS = ("caa", "pca_center", "vector_prompt", "trainable")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One steered setting: a method, a layer (``None`` for the baselines) and a signed multiplier."""
+
+    method: str
+    layer: int | None = None
+    multiplier: float = 0.0
+
+    @property
+    def direction(self) -> int:
+        return 0 if self.multiplier == 0 else (1 if self.multiplier > 0 else -1)
+
+    @property
+    def key(self) -> str:
+        if self.layer is None:
+            return self.method if self.method == "unsteered" else f"{self.method}_{'pos' if self.direction > 0 else 'neg'}"
+        return f"{self.method}_L{self.layer}_{self.multiplier:+g}"
+
+
+def settings_in_order(layers: list[int], multipliers: list[float], extra_layer: int | None) -> list[Setting]:
+    """Every setting, the most informative first: baselines, then each method at the main layer and middle
+    multiplier both ways, then the other multipliers, then the second layer, then CAA at the extra layer."""
+    out = [Setting("unsteered"), Setting("prompt", None, 1.0), Setting("prompt", None, -1.0)]
+    mid, rest = multipliers[len(multipliers) // 2], [m for i, m in enumerate(multipliers) if i != len(multipliers) // 2]
+    for layer in layers:
+        for m in [mid, *sorted(rest, reverse=True)]:
+            for method in VECTOR_METHODS:
+                out += [Setting(method, layer, m), Setting(method, layer, -m)]
+    if extra_layer is not None:
+        for m in [mid, *rest]:
+            out += [Setting("caa", extra_layer, m), Setting("caa", extra_layer, -m)]
+    return out
+
+
+def rescore(root: Path, scorer, meta: dict) -> int:
+    """Re-scores the cached generations whose concept scores came from another classifier; returns how many.
+
+    The concept score is a cheap function of the stored generations, so a better classifier (or one trained while
+    the generations ran) updates every finished setting without generating again.
+
+    Args:
+        root: ``runs/steering_llm/<concept>``.
+        scorer: ``texts -> P(positive)``.
+        meta: The classifier's metadata (recorded in each result).
+    """
+    from steering.evaluate import concept_summary
+
+    count = 0
+    for path in sorted((root / "results").glob("*.json")):
+        result = json.loads(path.read_text())
+        if result.get("classifier") == meta:
+            continue
+        result["scores"] = [float(x) for x in scorer(result["generations"])]
+        result.update(concept_summary(result["scores"]), classifier=meta)
+        _save_json(path, result)
+        count += 1
+    return count
+
+
+def _save_json(path: Path, obj) -> None:
+    from peftplug.fileio import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(obj, indent=1) + "\n")
+
+
+class Bench:
+    """The model, prompts, scorer and vector cache of one benchmark run."""
+
+    def __init__(self, args):
+        from benchmarks import steering_llm_data as data
+        from benchmarks.steering_llm_classifier import load_scorer, train_classifier
+        from peftplug.loading import load_model, load_tokenizer
+        from steering import evaluate as ev
+
+        self.args, self.data, self.ev = args, data, ev
+        self.root = Path(args.out_dir) / args.concept
+        start = time.time()
+        classifier = Path(args.classifier_dir or Path(args.out_dir) / "classifier")
+        self.classifier_meta = train_classifier(Path(args.data_dir), classifier)
+        self.scorer, _ = load_scorer(classifier)
+        _save_json(self.root / "classifier.json", self.classifier_meta)
+        rescored = rescore(self.root, self.scorer, self.classifier_meta)
+        if rescored:
+            print(f"re-scored {rescored} cached settings with this classifier", flush=True)
+        print(f"classifier: dev accuracy {self.classifier_meta['dev_accuracy']:.3f} "
+              f"({time.time() - start:.0f} s)", flush=True)
+        self.tokenizer = load_tokenizer(MODEL)
+        self.model = load_model(MODEL).eval()
+        self.peft_model = None
+        self.prompts = ev.chat_prompts(self.tokenizer, data.OPENERS[: args.prompts])
+        self.questions = ev.chat_prompts(self.tokenizer, [q for q, _ in data.FACTS])
+        self.answers = [list(a) for _, a in data.FACTS]
+        self.rows = data.sst2_rows(Path(args.data_dir), n=args.pairs)
+        self.vp_rows = data.vector_prompt_rows(Path(args.data_dir), n=args.pairs // 2)
+        baseline = self.root / "facts_baseline.json"
+        if not baseline.is_file():
+            base = ev.generate(self.model, self.tokenizer, self.questions, max_new_tokens=24, batch_size=args.batch)
+            right = [ev.answer_is_right(t, a) for t, a in zip(base.texts, self.answers)]
+            _save_json(baseline, {"correct": right, "answers": base.texts})
+        self.fact_baseline = json.loads(baseline.read_text())["correct"]
+        print(f"facts answered right unsteered: {sum(self.fact_baseline)}/{len(self.fact_baseline)}", flush=True)
+        # Only the questions answered right unsteered can be "kept": the others are not asked again (half the cost).
+        keep = [i for i, ok in enumerate(self.fact_baseline) if ok]
+        self.facts = [self.data.FACTS[i] for i in keep]
+        self.questions = [self.questions[i] for i in keep]
+        self.answers = [self.answers[i] for i in keep]
+
+    # ---------------------------------------------------------------------------------------------- vectors
+    def vector(self, method: str, layer: int) -> torch.Tensor:
+        """The (cached) vector of ``method`` at ``layer``, rescaled to the CAA vector's norm there."""
+        import steering
+
+        path = self.root / "vectors" / f"{method}_L{layer}.pt"
+        if path.is_file():
+            return torch.load(path, map_location="cpu", weights_only=True)["vector"]
+        start = time.time()
+        model = self.peft_model or self.model  # extraction disables any adapter: the unsteered model is read
+        if method == "trainable":
+            # Trained in an adapter of its own (kept, inactive between its settings).
+            self.peft_model = steering.train_steering_vector(
+                model, self.tokenizer, self.rows, method="trainable", layers=[layer], progress=False,
+                adapter_name=f"trainable_L{layer}", use_chat_template=True, batch_size=8,
+                steps=self.args.train_steps, lr=self.args.train_lr)
+            raw = self.peft_model.base_model.get_vectors(f"trainable_L{layer}")[layer]
+        elif method == "vector_prompt":
+            rows = steering.vector_prompt_rows(self.tokenizer, self.vp_rows, use_chat_template=True)
+            raw = steering.caa_vectors(model, self.tokenizer, rows, [layer], batch_size=16, progress=False)[layer]
+        else:
+            rows = steering.caa_rows(self.tokenizer, self.rows, use_chat_template=True)
+            if method == "caa":
+                raw = steering.caa_vectors(model, self.tokenizer, rows, [layer], batch_size=16, progress=False)[layer]
+            else:
+                raw = steering.pca_vectors(model, self.tokenizer, rows, [layer], mode="center", read="answer",
+                                           batch_size=16, progress=False)[layer]
+        raw = raw.detach().float().cpu()
+        norm = raw.norm() if method == "caa" else self.vector("caa", layer).norm()
+        vec = raw / raw.norm().clamp_min(1e-12) * norm
+        info = {"vector": vec, "raw_norm": torch.tensor(float(raw.norm())),
+                "seconds": torch.tensor(time.time() - start)}
+        from peftplug.fileio import atomic_write
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda tmp: torch.save(info, tmp))
+        print(f"vector {method} L{layer}: raw norm {float(raw.norm()):.2f}, {time.time() - start:.0f} s", flush=True)
+        return vec
+
+    def steered_model(self, setting: Setting):
+        """The PEFT model with only ``setting``'s adapter active, at its multiplier."""
+        import steering
+
+        name = f"{setting.method}_L{setting.layer}"
+        vec = self.vector(setting.method, setting.layer)
+        pm = self.peft_model
+        if pm is None or name not in pm.base_model.peft_config:
+            pm = steering.steering_adapter(self.model if pm is None else pm, {setting.layer: vec}, adapter_name=name,
+                                           method=setting.method)
+            self.peft_model = pm
+        pm.base_model.set_vectors({setting.layer: vec}, name)
+        pm.base_model.set_adapter(name)
+        pm.base_model.set_multiplier(setting.multiplier, adapter_name=name)
+        return pm
+
+    # ---------------------------------------------------------------------------------------------- settings
+    def run(self, setting: Setting) -> dict:
+        ev, args = self.ev, self.args
+        common = {"scorer": self.scorer, "questions": self.questions, "answers": self.answers,
+                  "question_baseline": [True] * len(self.questions), "max_new_tokens": args.new_tokens,
+                  "batch_size": args.batch}
+        start = time.time()
+        if setting.method in ("unsteered", "prompt"):
+            model = self.peft_model or self.model
+            with ev.unsteered(model):
+                if setting.method == "unsteered":
+                    result = ev.evaluate_steering(model, self.tokenizer, self.prompts, **common)
+                else:
+                    instruction = self.data.INSTRUCTIONS[args.concept][setting.direction]
+                    openers = self.data.OPENERS[: args.prompts]
+                    result = ev.evaluate_steering(
+                        model, self.tokenizer, ev.chat_prompts(self.tokenizer, openers, instruction=instruction),
+                        reference_prompts=self.prompts,
+                        steered_questions=ev.chat_prompts(self.tokenizer, [q for q, _ in self.facts],
+                                                          instruction=instruction), **common)
+                    result["instruction"] = instruction
+        else:
+            result = ev.evaluate_steering(self.steered_model(setting), self.tokenizer, self.prompts, **common)
+        result.update(classifier=self.classifier_meta, method=setting.method, layer=setting.layer,
+                      multiplier=setting.multiplier,
+                      direction=setting.direction, key=setting.key, seconds=round(time.time() - start, 1))
+        return result
+
+    def overhead(self, setting: Setting, rounds: int = 2) -> dict:
+        """Steered vs unsteered generation tokens/s, interleaved rounds, medians (one run)."""
+        from benchmarks.oftv2_cpu import interleaved
+
+        pm = self.steered_model(setting)
+        prompts = self.prompts[: self.args.batch]
+
+        def step(which):
+            if which == "unsteered":
+                with self.ev.unsteered(pm):
+                    gen = self.ev.generate(pm, self.tokenizer, prompts, self.args.new_tokens, self.args.batch)
+            else:
+                gen = self.ev.generate(pm, self.tokenizer, prompts, self.args.new_tokens, self.args.batch)
+            return gen.new_tokens / gen.seconds
+
+        times = interleaved(["unsteered", "steered"], step, rounds=rounds, steps_per_round=1, warmup=0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        return {"setting": setting.key, "batch": len(prompts), "new_tokens": self.args.new_tokens,
+                "tokens_per_second": med, "runs": times, "ratio": med["steered"] / med["unsteered"]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
+    parser.add_argument("--out-dir", default=str(REPO / "runs" / "steering_llm"))
+    parser.add_argument("--classifier-dir", default=None, help="default: OUT_DIR/classifier")
+    parser.add_argument("--doc", default=str(REPO / "docs" / "benchmarks" / "steering_llm.md"))
+    parser.add_argument("--concept", default="sst2", choices=["sst2"])
+    parser.add_argument("--layers", type=int, nargs="+", default=[10, 15])
+    parser.add_argument("--extra-layer", type=int, default=6, help="a third layer, CAA only (-1: none)")
+    parser.add_argument("--multipliers", type=float, nargs="+", default=[2.0, 4.0, 8.0])
+    parser.add_argument("--prompts", type=int, default=40)
+    parser.add_argument("--pairs", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=40)
+    parser.add_argument("--train-steps", type=int, default=24)
+    parser.add_argument("--train-lr", type=float, default=0.05)
+    parser.add_argument("--budget-minutes", type=float, default=None, help="start no new setting after this")
+    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--rescore", action="store_true",
+                        help="re-score the cached generations with the classifier in --classifier-dir, then report")
+    args = parser.parse_args(argv)
+    from benchmarks.steering_llm_report import write_report
+
+    torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "1")))
+    if not Path(args.data_dir).is_dir():
+        print(f"skipped: no shared data directory at {args.data_dir}", file=sys.stderr)
+        return 0
+    root = Path(args.out_dir) / args.concept
+    extra = None if args.extra_layer < 0 else args.extra_layer
+    plan = settings_in_order(args.layers, sorted(args.multipliers), extra)
+    report = lambda: write_report(root, plan, Path(args.doc), vars(args))
+    if args.rescore:
+        from benchmarks.steering_llm_classifier import load_scorer
+
+        classifier = Path(args.classifier_dir or Path(args.out_dir) / "classifier")
+        scorer, meta = load_scorer(classifier)
+        _save_json(root / "classifier.json", meta)
+        print(f"re-scored {rescore(root, scorer, meta)} settings (dev accuracy {meta['dev_accuracy']:.3f})")
+    if args.report_only or args.rescore:
+        report()
+        return 0
+    start = time.time()
+    bench = Bench(args)
+    for i, setting in enumerate(plan):
+        path = root / "results" / f"{setting.key}.json"
+        if path.is_file():
+            continue
+        if args.budget_minutes is not None and time.time() - start > 60 * args.budget_minutes:
+            print(f"budget reached: {len(plan) - i} settings not run", flush=True)
+            break
+        result = bench.run(setting)
+        _save_json(path, result)
+        print(f"[{i + 1}/{len(plan)}] {setting.key}: positive rate {result['positive_rate']:.3f}, ppl "
+              f"{result['perplexity']:.2f}, kept {result['instruction_kept']:.2f} ({result['seconds']:.0f} s)",
+              flush=True)
+        if i == 2 * len(VECTOR_METHODS) + 2 and not (root / "overhead.json").is_file():
+            _save_json(root / "overhead.json", bench.overhead(Setting("caa", args.layers[0], sorted(args.multipliers)[1])))
+        report()
+    if not (root / "overhead.json").is_file() and (args.budget_minutes is None
+                                                    or time.time() - start <= 60 * args.budget_minutes):
+        _save_json(root / "overhead.json", bench.overhead(Setting("caa", args.layers[0], sorted(args.multipliers)[1])))
+    report()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
