@@ -128,30 +128,41 @@ def cache_path(method: str) -> Path:
     return CACHE / ("".join(c if c.isalnum() or c in "=.-" else "_" for c in method) + ".json")
 
 
-def accuracy_results(methods: list[str], quick: bool) -> dict[str, dict]:
+def accuracy_results(methods: list[str], quick: bool, jobs: int = 1) -> dict[str, dict]:
     """Cached or freshly measured accuracy runs, each in its own subprocess (its own peak RSS).
 
     Args:
         methods: Keys of :data:`METHODS`.
         quick: Tiny model, 2 steps, nothing cached.
+        jobs: Subprocesses at once (each uses one torch thread).
     """
-    results = {}
+    results, pending = {}, []
     CACHE.mkdir(parents=True, exist_ok=True)
     for method in methods:
-        path = cache_path(method)
-        if path.exists() and not quick:
-            results[method] = json.loads(path.read_text())
+        if cache_path(method).exists() and not quick:
+            results[method] = json.loads(cache_path(method).read_text())
             print(f"cached: {method}: {results[method]['after']:.3f}", flush=True)
-            continue
-        cmd = [sys.executable, "-m", "benchmarks.llm_sft", "--run", method] + (["--quick"] if quick else [])
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        else:
+            pending.append(method)
+    running: list[tuple[str, subprocess.Popen]] = []
+    while pending or running:
+        while pending and len(running) < jobs:
+            method = pending.pop(0)
+            cmd = [sys.executable, "-m", "benchmarks.llm_sft", "--run", method] + (["--quick"] if quick else [])
+            # Output goes to a log file, not a pipe: a pipe nobody reads yet would stall a chatty run.
+            log = cache_path(method).with_suffix(".log").open("w")
+            running.append((method, subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                                     text=True)))
+        method, proc = running.pop(0)
+        proc.wait()
+        output = cache_path(method).with_suffix(".log").read_text()
+        lines = [line for line in output.splitlines() if line.startswith("{")]
         if proc.returncode != 0 or not lines:
-            print(f"FAILED: {method}\n{proc.stderr[-3000:]}", flush=True)
+            print(f"FAILED: {method} (log: {cache_path(method).with_suffix('.log')})\n{output[-3000:]}", flush=True)
             continue
         results[method] = json.loads(lines[-1])
         if not quick:
-            path.write_text(json.dumps(results[method], indent=2) + "\n")
+            cache_path(method).write_text(json.dumps(results[method], indent=2) + "\n")
         print(f"{method}: {results[method]['before']:.3f} -> {results[method]['after']:.3f}", flush=True)
     return results
 
@@ -267,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps-per-round", type=int, default=2)
+    parser.add_argument("--jobs", type=int, default=1, help="accuracy runs at once (one thread each)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model = "tiny:llama" if args.quick else MODEL
@@ -274,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run_accuracy(args.run, model, steps=2 if args.quick else STEPS, n_test=4 if args.quick else N_TEST)
         print(json.dumps(result), flush=True)
         return 0
-    results = {} if args.only_timing else accuracy_results(args.methods, args.quick)
+    results = {} if args.only_timing else accuracy_results(args.methods, args.quick, args.jobs)
     timed, timing_args = None, {"rounds": args.rounds, "steps_per_round": args.steps_per_round, "batch": 4,
                                 "seq": 64}
     if not args.only_accuracy:
