@@ -98,7 +98,7 @@ def test_agnb_estimate_is_nearly_isotropic_as_designed():
     expected = grad.square().sum() + 2 * grad.square()
     assert torch.all((mean - expected).abs() < 4 * stderr + 1e-3 * expected), (mean, expected, stderr)
     assert torch.all(stderr < 0.05 * expected)
-    assert set(HESSIAN_ESTIMATORS) == {"agnb", "agnb_layer", "curvature", "curvature_layer"}
+    assert set(HESSIAN_ESTIMATORS) == {"agnb", "agnb_layer", "curvature", "curvature_layer", "none"}
 
 
 def test_layer_curvature_is_the_mean_of_the_coordinate_estimate():
