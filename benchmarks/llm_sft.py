@@ -42,14 +42,14 @@ MODEL = "smollm2-135m-instruct"
 
 # name: (adapter builder key, quantization, lr)
 METHODS = {
-    "OFTv2 b=32": ("oftv2", "none", 4e-3),
-    "PEFT OFT b=32": ("peft_oft", "none", 4e-3),
+    "OFTv2 b=32": ("oftv2", "none", 1.5e-3),
+    "PEFT OFT b=32": ("peft_oft", "none", 1.5e-3),
     "LoRA r=16": ("lora", "none", 1e-3),
-    "QOFT b=32 (nf4)": ("oftv2", "nf4", 4e-3),
+    "QOFT b=32 (nf4)": ("oftv2", "nf4", 1.5e-3),
     "QLoRA r=16 (nf4)": ("lora", "nf4", 1e-3),
 }
 # The quickstart's budget and data (kept equal to recipes/quickstart.yaml).
-STEPS, BATCH, N_WORDS, N_TEST, MAX_LENGTH = 48, 8, 25, 100, 128
+STEPS, BATCH, N_WORDS, N_TEST, MAX_LENGTH = 48, 8, 30, 100, 128
 
 
 def peft_config(kind: str):
@@ -101,7 +101,7 @@ def run_accuracy(method: str, model: str = MODEL, steps: int = STEPS, n_test: in
     module = _module(method, model, steps)
     trainable = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
     data = BBCNewsChatData(n_train=steps * BATCH, n_val=20, n_test=n_test, n_words=N_WORDS, batch_size=BATCH,
-                           eval_batch_size=20, max_length=MAX_LENGTH)
+                           eval_batch_size=20, max_length=MAX_LENGTH, system_prompt="Answer with one word.")
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     loaded = time.perf_counter()
