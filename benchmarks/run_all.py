@@ -13,7 +13,9 @@ import sys
 import time
 import traceback
 
-BENCHMARKS = ("oftv2_cpu", "qoft_cpu", "helene", "prompt_transfer", "steering")
+# The SmolLM2 benchmarks of HELENE (helene_llm) and steering (steering_llm) are resumable queues of hours of CPU
+# with their own commands (see their docstrings); they are not part of this sweep.
+BENCHMARKS = ("oftv2_cpu", "oftv2_conv", "qoft_cpu", "llm_sft", "helene", "prompt_transfer", "steering")
 
 
 def main(argv: list[str] | None = None) -> int:
