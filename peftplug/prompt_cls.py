@@ -72,6 +72,13 @@ class PromptTask:
         labels: The raw label values in class order.
         plain: The plain-text template.
         chat: The chat template (user turn before the slot, assistant reply = label word).
+        header: Whether a ``.tsv`` file starts with a header row (CoLA's has none: columns are then indices).
+        dev_name: File stem of the validation split (MNLI: ``dev_matched``).
+        test_name: File stem of the test split (MNLI: ``test_matched``).
+        test_in_split: The test file sits in each ``<k>-<seed>`` folder (CoLA's test subsample differs per seed).
+
+    A ``.jsonl`` task (BoolQ) has no k-shot folder: ``folder`` is the path of one labelled pool under the data
+    directory, from which each split seed samples ``k`` train and ``k`` dev examples per class; the rest is test.
     """
 
     name: str
@@ -82,6 +89,10 @@ class PromptTask:
     labels: tuple[str, ...]
     plain: PromptTemplate
     chat: PromptTemplate
+    header: bool = True
+    dev_name: str = "dev"
+    test_name: str = "test"
+    test_in_split: bool = False
 
 
 _SENTIMENT_PLAIN = PromptTemplate("{sentence} It was {answer}", ("terrible", "great"))
@@ -112,6 +123,59 @@ PROMPT_TASKS: dict[str, PromptTask] = {
                        "or number?{answer}", ("description", "entity", "abbreviation", "human", "location", "number")),
     ),
 }
+
+_YES_NO = ("Yes", "No")
+_NO_YES = ("No", "Yes")
+
+#: GLUE/SuperGLUE pair tasks and CoLA (added for prompt transfer: MNLI, QNLI, QQP as sources; MRPC, CoLA, BoolQ as
+#: held-out targets). Label words are LM-BFF's (``Yes``/``No``/``Maybe``, ``correct``/``incorrect``); LM-BFF puts the
+#: mask between the two sentences (``<s1> ? [MASK] , <s2>``), which a causal LM cannot score, so the pair tasks take
+#: MeZO's OPT templates where MeZO has one (CB's for MNLI, RTE's question form for QNLI, BoolQ's
+#: ``<passage> <question>?\n``) and the same "question + Yes or No?" form otherwise (QQP, MRPC). CoLA keeps LM-BFF's
+#: ``<sentence> This is [MASK].`` without the final period. Every label word is one SmolLM2 token (tested).
+PROMPT_TASKS.update({
+    "mnli": PromptTask(
+        "mnli", "MNLI", ".tsv", {"premise": "sentence1", "hypothesis": "sentence2"}, "gold_label",
+        ("entailment", "neutral", "contradiction"),
+        PromptTemplate('Suppose {premise} Can we infer that "{hypothesis}"? Yes, No, or Maybe?\n{answer}',
+                       ("Yes", "Maybe", "No")),
+        PromptTemplate('Suppose {premise} Can we infer that "{hypothesis}"? Yes, No, or Maybe?{answer}',
+                       ("Yes", "Maybe", "No")),
+        dev_name="dev_matched", test_name="test_matched",
+    ),
+    "qnli": PromptTask(
+        "qnli", "QNLI", ".tsv", {"sentence": "sentence", "question": "question"}, "label",
+        ("entailment", "not_entailment"),
+        PromptTemplate('{sentence}\nDoes this sentence answer the question "{question}"? Yes or No?\n{answer}', _YES_NO),
+        PromptTemplate('{sentence}\nDoes this sentence answer the question "{question}"? Yes or No?{answer}', _YES_NO),
+    ),
+    "qqp": PromptTask(
+        "qqp", "QQP", ".tsv", {"question1": "question1", "question2": "question2"}, "is_duplicate", ("0", "1"),
+        PromptTemplate("Question 1: {question1}\nQuestion 2: {question2}\nDo these two questions ask the same thing? "
+                       "Yes or No?\n{answer}", _NO_YES),
+        PromptTemplate("Question 1: {question1}\nQuestion 2: {question2}\nDo these two questions ask the same thing? "
+                       "Yes or No?{answer}", _NO_YES),
+    ),
+    "mrpc": PromptTask(
+        "mrpc", "MRPC", ".tsv", {"sentence1": "#1 String", "sentence2": "#2 String"}, "Quality", ("0", "1"),
+        PromptTemplate("Sentence 1: {sentence1}\nSentence 2: {sentence2}\nDo these two sentences mean the same thing? "
+                       "Yes or No?\n{answer}", _NO_YES),
+        PromptTemplate("Sentence 1: {sentence1}\nSentence 2: {sentence2}\nDo these two sentences mean the same thing? "
+                       "Yes or No?{answer}", _NO_YES),
+    ),
+    "cola": PromptTask(
+        "cola", "CoLA", ".tsv", {"sentence": 3}, 1, ("0", "1"),
+        PromptTemplate("{sentence} This is {answer}", ("incorrect", "correct")),
+        PromptTemplate("{sentence}\nIs this sentence grammatically correct? Yes or No?{answer}", _NO_YES),
+        header=False, test_in_split=True,
+    ),
+    "boolq": PromptTask(
+        "boolq", "SuperGLUE/val/BoolQ/val.jsonl", ".jsonl", {"passage": "passage", "question": "question"}, "label",
+        ("false", "true"),
+        PromptTemplate("{passage} {question}?\n{answer}", _NO_YES),
+        PromptTemplate("{passage}\nQuestion: {question}? Yes or No?{answer}", _NO_YES),
+    ),
+})
 
 
 # ----------------------------------------------------------------------------------------------- templates
@@ -316,9 +380,11 @@ def _read_rows(path: Path, task: PromptTask) -> list[dict[str, str]]:
     """Rows of a k-shot file as ``{field: text, "label": raw label}``."""
     if not path.is_file():
         raise MissingFileError(f"task {task.name!r}: data file {str(path)!r} does not exist")
+    if task.suffix == ".jsonl":
+        return _read_jsonl(path, task)
     rows = []
     with path.open(encoding="utf-8-sig", newline="") as handle:
-        if task.suffix == ".tsv":
+        if task.suffix == ".tsv" and task.header:
             reader = csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
             header = next(reader, None)
             if header is None:
@@ -328,10 +394,11 @@ def _read_rows(path: Path, task: PromptTask) -> list[dict[str, str]]:
             if absent:
                 raise DataError(f"data file {str(path)!r} has no column {absent}; its columns are {header}")
             index = {c: header.index(c) for c in want}
-        else:
-            reader = csv.reader(handle)
+        else:  # LM-BFF .csv, or a GLUE .tsv without header (CoLA): columns by index
+            reader = (csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE) if task.suffix == ".tsv"
+                      else csv.reader(handle))
             index = {c: c for c in list(task.fields.values()) + [task.label_column]}
-        for line, row in enumerate(reader, start=2 if task.suffix == ".tsv" else 1):
+        for line, row in enumerate(reader, start=2 if task.suffix == ".tsv" and task.header else 1):
             if not row:
                 continue
             if max(index.values()) >= len(row):
@@ -343,6 +410,60 @@ def _read_rows(path: Path, task: PromptTask) -> list[dict[str, str]]:
     if not rows:
         raise DataError(f"data file {str(path)!r} has no rows")
     return rows
+
+
+def _read_jsonl(path: Path, task: PromptTask) -> list[dict[str, str]]:
+    """Rows of a SuperGLUE-style ``.jsonl`` file; labels as ``str(value).lower()`` (``true``/``false``)."""
+    import json
+
+    rows = []
+    with path.open(encoding="utf-8") as handle:
+        for line, text in enumerate(handle, start=1):
+            if not text.strip():
+                continue
+            try:
+                item = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise DataError(f"data file {str(path)!r}, line {line}: not JSON ({err.msg})") from None
+            absent = [c for c in list(task.fields.values()) + [task.label_column] if c not in item]
+            if absent:
+                raise DataError(f"data file {str(path)!r}, line {line}: no key {absent}; keys are {sorted(item)}")
+            label = str(item[task.label_column]).lower()  # "true" (OpenCompass copy) and true (FewGLUE) alike
+            if label not in task.labels:
+                raise DataError(f"data file {str(path)!r}, line {line}: label {label!r} is not one of {task.labels}")
+            rows.append({**{f: str(item[c]) for f, c in task.fields.items()}, "label": label})
+    if not rows:
+        raise DataError(f"data file {str(path)!r} has no rows")
+    return rows
+
+
+def sample_pool_splits(rows: list[dict[str, str]], labels: tuple[str, ...], k: int,
+                       split_seed: int) -> dict[str, list[dict[str, str]]]:
+    """Train/dev/test from one labelled pool: ``k`` train and ``k`` dev rows per class drawn with ``split_seed``;
+    every other row is test (so the three never overlap, and the test set differs slightly per seed).
+
+    Args:
+        rows: The pool (rows with a ``label`` key).
+        labels: The class labels.
+        k: Shots per class.
+        split_seed: Seed of the draw.
+
+    Raises:
+        DataError: If a class has fewer than ``2 k`` rows.
+    """
+    rng = random.Random(split_seed)
+    out: dict[str, list] = {"train": [], "validation": [], "test": []}
+    for label in labels:
+        members = [r for r in rows if r["label"] == label]
+        if len(members) < 2 * k:
+            raise DataError(f"label {label!r} has {len(members)} rows; k={k} needs {2 * k} (train + dev)")
+        rng.shuffle(members)
+        out["train"] += members[:k]
+        out["validation"] += members[k:2 * k]
+        out["test"] += members[2 * k:]
+    rng.shuffle(out["train"])
+    rng.shuffle(out["validation"])
+    return out
 
 
 def kshot_files(data_dir: str | Path, task: str, k: int, split_seed: int) -> dict[str, Path]:
@@ -359,6 +480,11 @@ def kshot_files(data_dir: str | Path, task: str, k: int, split_seed: int) -> dic
         MissingFileError: If the task or split has no data under ``data_dir``.
     """
     spec = get_task(task)
+    if spec.suffix == ".jsonl":  # one pooled file; the splits are drawn from it per seed (sample_pool_splits)
+        pool = Path(data_dir).expanduser() / spec.folder
+        if not pool.is_file():
+            raise MissingFileError(f"task {task!r} has no data: {str(pool)!r} does not exist (data.data_dir?)")
+        return {"train": pool, "validation": pool, "test": pool}
     root = Path(data_dir).expanduser() / "k-shot" / spec.folder
     if not root.is_dir():
         raise MissingFileError(f"task {task!r} has no data: {str(root)!r} does not exist (data.data_dir?)")
@@ -366,8 +492,8 @@ def kshot_files(data_dir: str | Path, task: str, k: int, split_seed: int) -> dic
     if not split.is_dir():
         have = sorted(p.name for p in root.iterdir() if p.is_dir())
         raise MissingFileError(f"task {task!r} has no split {split.name!r}; available: {', '.join(have)}")
-    return {"train": split / f"train{spec.suffix}", "validation": split / f"dev{spec.suffix}",
-            "test": root / f"test{spec.suffix}"}
+    return {"train": split / f"train{spec.suffix}", "validation": split / f"{spec.dev_name}{spec.suffix}",
+            "test": (split if spec.test_in_split else root) / f"{spec.test_name}{spec.suffix}"}
 
 
 def get_task(name: str) -> PromptTask:
@@ -390,7 +516,8 @@ class PromptClassificationData(_TokenizedDataModule):
     every split seed. Batches are left-padded and carry ``label_word_ids``.
 
     Args:
-        task: A key of :data:`PROMPT_TASKS` (``sst2``, ``rte``, ``cr``, ``subj``, ``trec``).
+        task: A key of :data:`PROMPT_TASKS` (``sst2``, ``rte``, ``cr``, ``subj``, ``trec``, ``mnli``, ``qnli``,
+            ``qqp``, ``mrpc``, ``cola``, ``boolq``; BoolQ draws its splits from SuperGLUE val per ``split_seed``).
         data_dir: Directory holding ``k-shot/`` (the project's shared data).
         k: Shots per class.
         split_seed: Seed of the k-shot split (13, 21, 42, ...).
@@ -447,6 +574,7 @@ class PromptClassificationData(_TokenizedDataModule):
             raise ConfigError(f"data.label_words has {len(self.words)} words; task {self.task.name!r} has "
                               f"{len(self.task.labels)} classes")
         self.files = kshot_files(data_dir, self.task.name, k, split_seed)
+        self.k, self.split_seed = k, split_seed
         self.format, self.multi_token, self.system_prompt, self.max_test = format, multi_token, system_prompt, max_test
         self.label_word_ids: list[int] = []
 
@@ -462,8 +590,10 @@ class PromptClassificationData(_TokenizedDataModule):
         _, space = split_template(self.template)
         self.label_word_ids = label_word_ids(tokenizer, self.words, space and self.format == "plain",
                                              self.multi_token)
+        pooled = (sample_pool_splits(_read_rows(self.files["train"], self.task), self.task.labels, self.k,
+                                     self.split_seed) if self.task.suffix == ".jsonl" else None)
         for split, path in self.files.items():
-            rows = _read_rows(path, self.task)
+            rows = pooled[split] if pooled is not None else _read_rows(path, self.task)
             if split == "test" and self.max_test is not None and len(rows) > self.max_test:
                 rows = random.Random(0).sample(rows, self.max_test)
             self.splits[split] = [

