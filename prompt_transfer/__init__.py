@@ -35,6 +35,7 @@ from prompt_transfer.source import (
     load_source_prompt,
     prompt_tuning_config,
     set_prompt,
+    source_base_model,
     spot_select,
     train_source_prompts,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "prompt_tuning_config",
     "save_decomposition",
     "set_prompt",
+    "source_base_model",
     "spot_select",
     "train_prompt",
     "train_source_prompts",

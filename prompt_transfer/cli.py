@@ -90,7 +90,7 @@ def train_sources(recipe: Mapping, out_dir: str | None = None, decompose: bool =
 
     import prompt_transfer as pt
     from peftplug.fileio import atomic_write_text
-    from prompt_transfer.source import source_run_config, validate_sources_recipe
+    from prompt_transfer.source import source_base_model, source_run_config, validate_sources_recipe
 
     recipe = dict(recipe)
     if out_dir is not None:
@@ -124,8 +124,10 @@ def train_sources(recipe: Mapping, out_dir: str | None = None, decompose: bool =
         del run, module, trainer  # one base model in memory at a time
     dec_settings = recipe.get("decompose")
     if decompose and dec_settings:
-        prompts = {n: pt.load_source_prompt(r["adapter"]) for n, r in summary["sources"].items()}
+        adapters = {n: r["adapter"] for n, r in summary["sources"].items()}
+        prompts = {n: pt.load_source_prompt(path) for n, path in adapters.items()}
         kwargs = {k: v for k, v in dec_settings.items() if k != "out" and v is not None}
+        kwargs["base_model"] = source_base_model(adapters)
         dec = pt.decompose(prompts, **kwargs)
         pt.save_decomposition(dec, dec_settings["out"])
         summary["decomposition"] = {"out": dec_settings["out"], "rank": dec.rank}
@@ -214,8 +216,10 @@ def _run(argv: list[str]) -> int:
             parser.error(f"--names has {len(names)} names for {len(args.adapters)} adapters")
         prompts = _load_source_prompts(names, args.adapters)
         try:  # decompose checks its arguments and the prompts' shapes before computing anything
+            base_model = pt.source_base_model(dict(zip(names, args.adapters)))
             dec = pt.decompose(prompts, rank=args.rank, explained_variance=args.explained_variance,
-                               contrastive_weight=args.contrastive_weight, contrastive_steps=args.contrastive_steps)
+                               contrastive_weight=args.contrastive_weight, contrastive_steps=args.contrastive_steps,
+                               base_model=base_model)
         except ValueError as err:
             raise ConfigError(str(err)) from err
         pt.save_decomposition(dec, args.out)

@@ -33,6 +33,9 @@ class PCTConfig(PromptLearningConfig):
         contrastive_weight: Weight of the auxiliary InfoNCE loss that keeps the target's task-specific part away
             from ``P_0`` (0 disables it: the "without contrastive" ablation). Must be >= 0.
         contrastive_temperature: Temperature of that InfoNCE loss. Must be > 0.
+        target_task: Name of the target task (optional). A target that is also one of the source tasks is refused
+            (its test set would have shaped a source prompt: leakage); names compare case- and punctuation-blind
+            (``SST-2`` = ``sst2``).
     """
 
     decomposition_path: str | None = field(default=None, metadata={"help": "Directory of the decomposition"})
@@ -43,6 +46,7 @@ class PCTConfig(PromptLearningConfig):
     trainable_residual: bool = field(default=True, metadata={"help": "Train a residual prompt R"})
     contrastive_weight: float = field(default=0.01, metadata={"help": "Weight of the auxiliary InfoNCE loss"})
     contrastive_temperature: float = field(default=0.5, metadata={"help": "Temperature of the InfoNCE loss"})
+    target_task: str | None = field(default=None, metadata={"help": "Target task; refused if it is a source"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -72,8 +76,18 @@ class PCTConfig(PromptLearningConfig):
             )
         if self.num_sources is not None and (not isinstance(self.num_sources, int) or self.num_sources < 1):
             raise ValueError(f"num_sources must be an int >= 1, got {self.num_sources!r}")
+        if self.source_names is not None and not self.source_names:
+            raise ValueError("source_names is empty: PCT needs at least one source prompt")
         if self.source_names is not None and len(self.source_names) != self.num_sources:
             raise ValueError(f"source_names has {len(self.source_names)} names for num_sources={self.num_sources}")
+        if self.target_task is not None and self.source_names:
+            from prompt_transfer.decompose import task_key
+
+            clash = [n for n in self.source_names if task_key(n) == task_key(self.target_task)]
+            if clash:
+                raise ValueError(f"target_task {self.target_task!r} is also a source task ({clash[0]!r} in "
+                                 f"source_names {list(self.source_names)}): the target must be held out from the "
+                                 "sources (leakage)")
         if self.num_virtual_tokens is None or self.num_virtual_tokens < 1:
             raise ValueError(f"num_virtual_tokens must be >= 1, got {self.num_virtual_tokens!r}")
 

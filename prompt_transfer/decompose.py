@@ -103,6 +103,30 @@ def decomposition_infonce(p0: torch.Tensor, specific: torch.Tensor, positives: t
     return info_nce(flat, positives.reshape(k, -1), negatives, temperature, mask)
 
 
+def model_id(name: str | None) -> str | None:
+    """A comparable identity of a base model name or path (``None``/empty: unknown).
+
+    Local paths compare by their real path (a relative and an absolute spelling of one folder are one model);
+    other names (hub ids, ``tiny:llama``) compare as written.
+
+    Args:
+        name: ``base_model_name_or_path`` of an adapter, or a model's ``name_or_path``.
+    """
+    if not name:
+        return None
+    name = str(name)
+    return os.path.realpath(name) if os.path.exists(name) else name.rstrip("/")
+
+
+def task_key(name: str) -> str:
+    """A task name reduced to lower-case letters and digits (``SST-2``, ``sst2`` and ``sst_2`` are one task).
+
+    Args:
+        name: A task name.
+    """
+    return "".join(c for c in str(name).lower() if c.isalnum())
+
+
 def _stack(prompts: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, list[str]]:
     if isinstance(prompts, Mapping):
         names, tensors = list(prompts.keys()), list(prompts.values())
@@ -145,6 +169,7 @@ def decompose(
     contrastive_steps: int = 200,
     contrastive_temperature: float = 0.5,
     lr: float = 1e-2,
+    base_model: str | None = None,
 ) -> Decomposition:
     """Decomposes ``K`` source prompts into ``P_0`` and ``S_k`` (see the module docstring).
 
@@ -158,6 +183,8 @@ def decompose(
         contrastive_temperature: InfoNCE temperature (> 0).
         lr: Adam learning rate of the refinement, relative to the prompts' RMS scale (the refinement is
             deterministic: it starts from the SVD solution).
+        base_model: The base model the source prompts were trained on (recorded in ``settings["base_model"]``; a
+            PCT adapter built on another model is then refused, naming both).
 
     Returns:
         The :class:`Decomposition`.
@@ -196,6 +223,7 @@ def decompose(
         "contrastive_steps": contrastive_steps, "contrastive_temperature": contrastive_temperature, "lr": lr,
         "singular_values": [float(v) for v in s],
         "explained_variance_kept": float(energy[:rank].sum() / energy.sum().clamp_min(1e-300)),
+        "base_model": base_model,
     }
     p0 = p0.float().reshape(length, dim)
     specific = specific.float().reshape(k, length, dim)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.tuners_utils import BasePromptEncoder
 
-from prompt_transfer.decompose import info_nce, load_decomposition
+from prompt_transfer.decompose import info_nce, load_decomposition, model_id
 
 logger = logging.getLogger(__name__)
 
@@ -121,10 +121,19 @@ class PCTPromptEncoder(BasePromptEncoder):
 
             if os.path.isdir(path):
                 dec = load_decomposition(path)
+                source_model = dec.settings.get("base_model") or "an unrecorded model"
+                target_model = config.base_model_name_or_path or "an unnamed model"
                 if dec.p0.shape[1] != config.token_dim:
                     raise ValueError(
-                        f"the decomposition at {path} has token_dim {dec.p0.shape[1]}, the model's embeddings have "
-                        f"{config.token_dim}: source prompts must come from the same base model"
+                        f"the source prompts in {path} come from {source_model} (token_dim {dec.p0.shape[1]}); the "
+                        f"target model {target_model} has token_dim {config.token_dim}: source prompts must come "
+                        "from the same base model"
+                    )
+                src_id, tgt_id = model_id(dec.settings.get("base_model")), model_id(config.base_model_name_or_path)
+                if src_id is not None and tgt_id is not None and src_id != tgt_id:
+                    raise ValueError(
+                        f"the source prompts in {path} come from {source_model}, the target model is {target_model}: "
+                        "source prompts must come from the same base model"
                     )
                 if dec.num_sources != config.num_sources or dec.p0.shape[0] != config.num_virtual_tokens:
                     raise ValueError(

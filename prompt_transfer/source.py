@@ -106,6 +106,32 @@ def load_source_prompt(adapter_dir: str) -> torch.Tensor:
     return tensors["prompt_embeddings"][: cfg["num_virtual_tokens"]].float()
 
 
+def source_base_model(adapters: Mapping[str, str]) -> str | None:
+    """The base model shared by saved source adapters (their ``base_model_name_or_path``), or ``None`` if unrecorded.
+
+    Args:
+        adapters: ``source name -> adapter directory``.
+
+    Raises:
+        ValueError: If two sources were trained on different models (naming both), or ``adapters`` is empty.
+    """
+    from prompt_transfer.decompose import model_id
+
+    if not adapters:
+        raise ValueError("sources is empty: give at least one source adapter")
+    seen: tuple[str, str] | None = None
+    for name, path in adapters.items():
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            model = json.load(f).get("base_model_name_or_path")
+        if model_id(model) is None:
+            continue
+        if seen is not None and model_id(seen[1]) != model_id(model):
+            raise ValueError(f"source prompts come from different models: {seen[0]!r} from {seen[1]!r}, {name!r} from "
+                             f"{model!r}; decompose prompts of one base model")
+        seen = seen or (name, model)
+    return None if seen is None else seen[1]
+
+
 def spot_select(target_prompt: torch.Tensor, source_prompts: Mapping[str, torch.Tensor],
                 mode: str = "mean_token") -> tuple[str, dict[str, float]]:
     """SPoT retrieval: the source prompt most similar (cosine) to a prompt trained briefly on the target.

@@ -72,6 +72,7 @@ def train_prompt(
     attention_lr: float | None = None,
     weight_decay: float = 0.0,
     log_every: int = 0,
+    loss_fn=None,
 ) -> dict[str, list]:
     """Trains whatever requires grad in ``model`` (the prompt encoder, plus e.g. a classification head).
 
@@ -87,6 +88,8 @@ def train_prompt(
         attention_lr: Learning rate of PCT's attention query and key offsets (default: ``lr``).
         weight_decay: AdamW weight decay.
         log_every: Log loss and attention through ``logging`` every this many steps (0: never).
+        loss_fn: ``(model, batch) -> loss`` (default: ``model(**batch).loss``); for prompt-based classification of
+            a causal LM pass ``lambda m, b: peftplug.prompt_cls.prompt_cls_forward(m, b).loss``.
 
     Returns:
         ``{"loss": [...], "aux": [...], "attention": [{source: weight}, ...]}`` per step.
@@ -119,8 +122,7 @@ def train_prompt(
     history: dict[str, list] = {"loss": [], "aux": [], "attention": []}
     model.train()
     for step, batch in zip(range(steps), itertools.cycle(data)):
-        out = model(**batch)
-        loss = out.loss
+        loss = model(**batch).loss if loss_fn is None else loss_fn(model, batch)
         aux = auxiliary_loss(model)
         total = loss + aux if aux is not None else loss
         if not torch.isfinite(total):
