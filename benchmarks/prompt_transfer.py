@@ -13,7 +13,10 @@ target prompts on held-out few-shot tasks with every method through the same loo
 Every method also trains the classification head (fresh per task, PEFT's ``modules_to_save``); it is counted in
 the trainable parameters. Writes ``docs/benchmarks/prompt_transfer.md``.
 
-Run: ``.venv/bin/python -m benchmarks.prompt_transfer [--quick] [--data-dir ../shared/data]``.
+Run: ``.venv/bin/python -m benchmarks.prompt_transfer [--quick] [--data-dir ../shared/data]``. With
+``--model smollm2-135m-instruct`` it runs the real-LLM variant instead (:mod:`benchmarks.prompt_transfer_llm`:
+prompt-based classification, cached and resumable, its own section of the same page); this MiniLM run is the fast
+variant and keeps that section when it rewrites the page.
 """
 
 from __future__ import annotations
@@ -303,7 +306,15 @@ def render(res) -> str:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", default="all-minilm-l6-v2")
+    known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if known.model != "all-minilm-l6-v2":
+        # The real-LLM variant (issue #16): prompt-based classification, resumable, its own doc section.
+        from benchmarks.prompt_transfer_llm import main as llm_main
+
+        return llm_main([*rest, "--model", known.model])
+    args = parse_args(rest)
     if not os.path.isdir(os.path.join(args.data_dir, "k-shot")):
         print(f"[pct] skipping: no k-shot data under {args.data_dir} (pass --data-dir)")
         return 0
@@ -316,6 +327,11 @@ def main(argv=None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     res = run(args)
     text = render(res)
+    from benchmarks.prompt_transfer_llm_report import existing_section
+
+    kept = existing_section(args.out)  # the SmolLM2 section, generated from its own cached runs
+    if kept:
+        text = text.rstrip("\n") + "\n\n" + kept + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:

@@ -82,7 +82,8 @@ def train_sources(recipe: Mapping, out_dir: str | None = None, decompose: bool =
         decompose: Run the recipe's ``decompose`` section, if any, after the last source.
 
     Returns:
-        ``{"sources": {name: {"adapter", "global_step", "prompt_change", ["test_acc"]}}, ["decomposition"]}``.
+        ``{"sources": {name: {"adapter", "global_step", "prompt_change", ["test_acc"], ["zero_shot_acc"]}},
+        ["decomposition"]}``.
         ``prompt_change`` is the largest absolute change of a prompt entry during training (0 means the prompt
         did not train).
     """
@@ -109,9 +110,16 @@ def train_sources(recipe: Mapping, out_dir: str | None = None, decompose: bool =
                              f"{module.peft_config.peft_type.value}")
         weight = encoders[module.model.active_adapter].embedding.weight
         before = weight.detach().clone()
+        zero_shot = {}
+        if recipe.get("zero_shot"):
+            # The base model alone (PEFT swaps in the base forward for prompt learning): what the prompt must beat.
+            with module.model.disable_adapter():
+                metrics = trainer.test(module, datamodule=run.datamodule, verbose=False)
+            if metrics and "test_acc" in metrics[0]:
+                zero_shot["zero_shot_acc"] = float(metrics[0]["test_acc"])
         trainer.fit(module, datamodule=run.datamodule)
         result = {"global_step": int(trainer.global_step),
-                  "prompt_change": float((weight.detach() - before).abs().max())}
+                  "prompt_change": float((weight.detach() - before).abs().max()), **zero_shot}
         if not torch.isfinite(weight).all():
             raise ValueError(f"source {name!r}: the trained prompt is not finite; lower the learning rate")
         if recipe.get("evaluate_after_fit"):

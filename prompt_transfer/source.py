@@ -163,7 +163,8 @@ def spot_select(target_prompt: torch.Tensor, source_prompts: Mapping[str, torch.
 
 
 # ---------------------------------------------------------------- multi-source recipes (``train-sources``)
-RECIPE_KEYS = ("out_dir", "seed_everything", "evaluate_after_fit", "trainer", "model", "sources", "decompose")
+RECIPE_KEYS = ("out_dir", "seed_everything", "evaluate_after_fit", "zero_shot", "trainer", "model", "sources",
+               "decompose")
 SOURCE_KEYS = ("name", "data", "model", "trainer")
 DECOMPOSE_KEYS = ("out", "rank", "explained_variance", "contrastive_weight", "contrastive_steps")
 
@@ -186,7 +187,8 @@ def validate_sources_recipe(recipe: Mapping, check_files: bool = True) -> dict:
     A recipe holds the ``peftplug fit`` sections shared by every source (``seed_everything``, ``trainer``,
     ``model``), a list ``sources`` (each: ``name``, ``data`` as in a ``peftplug fit`` recipe, optional ``model`` /
     ``trainer`` overrides such as ``num_labels``), ``out_dir`` (adapters go to ``<out_dir>/<name>/``) and an
-    optional ``decompose`` section (``out`` plus :func:`prompt_transfer.decompose` arguments).
+    optional ``decompose`` section (``out`` plus :func:`prompt_transfer.decompose` arguments). ``zero_shot: true``
+    also tests each source task with the adapter disabled before training (the base model's own accuracy).
 
     Args:
         recipe: The parsed YAML.

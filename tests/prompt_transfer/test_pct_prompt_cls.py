@@ -50,7 +50,8 @@ def _recipe(tmp_path, data_dir):
                "devices": 1, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
                "enable_model_summary": False, "num_sanity_val_steps": 0, "limit_val_batches": 0}
     return {
-        "out_dir": str(tmp_path / "sources"), "seed_everything": 5, "evaluate_after_fit": True, "trainer": trainer,
+        "out_dir": str(tmp_path / "sources"), "seed_everything": 5, "evaluate_after_fit": True, "zero_shot": True,
+        "trainer": trainer,
         "model": {"model": "tiny:llama", "task": "prompt_cls",
                   "peft": {"class_path": "peft.PromptTuningConfig",
                            "init_args": {"num_virtual_tokens": 4, "prompt_tuning_init": "RANDOM"}},
@@ -87,8 +88,17 @@ def test_prompt_cls_sources_decompose_pct_target_and_plain_export(sources):
     assert list(summary["sources"]) == list(SOURCES)
     for name, result in summary["sources"].items():
         assert result["global_step"] == 2 and result["prompt_change"] > 0 and 0 <= result["test_acc"] <= 1
+        assert 0 <= result["zero_shot_acc"] <= 1
         cfg = json.loads((tmp_path / "sources" / name / "adapter_config.json").read_text())
         assert cfg["peft_type"] == "PROMPT_TUNING" and cfg["task_type"] == "CAUSAL_LM"
+    # zero_shot_acc is the base model's own label-word accuracy on the same test rows (computed here).
+    sst = PromptClassificationData(**SOURCES["SST-2"], data_dir=str(data_dir), max_length=48, max_test=6)
+    sst.tokenizer = pt_tokenizer()
+    sst.setup()
+    base = load_model("tiny:llama", "prompt_cls").eval()
+    with torch.no_grad():
+        hits = [(prompt_cls_forward(base, b).logits.argmax(-1) == b["labels"]).float() for b in sst.test_dataloader()]
+    assert summary["sources"]["SST-2"]["zero_shot_acc"] == pytest.approx(torch.cat(hits).mean().item())
     dec = pt.load_decomposition(str(tmp_path / "decomposition"))
     assert dec.source_names == list(SOURCES)
     assert dec.settings["base_model"] == cfg["base_model_name_or_path"]  # recorded for the model check

@@ -1,0 +1,102 @@
+"""benchmarks/prompt_transfer_llm.py without a model: settings refused by name (leakage, empty lists,
+temperature), the shipped SmolLM2 recipes parse, and the doc section is regenerated from whatever runs are cached
+(pending ones listed, the verdict computed from the cached accuracies, the MiniLM part of the page kept)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import yaml
+
+from benchmarks.prompt_transfer_llm import BEGIN, END, METHODS, parse_args, slug, sources_recipe
+from benchmarks.prompt_transfer_llm_report import existing_section, render, replace_section, write_report
+from prompt_transfer.source import source_run_config, validate_sources_recipe
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "prompt_transfer"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--targets", "rte,SST-2"], r"--targets: 'SST-2' is also a source task"),
+    (["--sources", "mnli,rte"], r"--targets: 'rte' is also a source task"),
+    (["--sources", ""], "--sources is empty"),
+    (["--temperature", "0"], r"--temperature \(attention temperature\) must be > 0"),
+    (["--methods", "PCT,ATTEMPT"], r"--methods: unknown \['ATTEMPT'\]"),
+])
+def test_bad_settings_are_refused_by_name(argv, match):
+    with pytest.raises(ValueError, match=match):
+        parse_args(argv)
+
+
+def test_shipped_smollm2_recipes_parse(tmp_path):
+    from peftplug.cli import _cli_classes, import_method_packages
+
+    recipe = validate_sources_recipe(yaml.safe_load((RECIPES / "smollm2_sources.yaml").read_text()), check_files=False)
+    assert [s["name"] for s in recipe["sources"]] == ["mnli", "qnli", "qqp", "sst2"]
+    import_method_packages()
+
+    class ParseOnly(_cli_classes()):
+        def instantiate_classes(self):
+            pass
+
+    for k in range(len(recipe["sources"])):
+        path = tmp_path / f"source{k}.yaml"
+        path.write_text(yaml.safe_dump(source_run_config(recipe, k, str(tmp_path))))
+        parsed = ParseOnly(args=["--config", str(path)], run=False).config
+        assert parsed["data"]["init_args"]["task"] == recipe["sources"][k]["name"]
+    target = ParseOnly(args=["--config", str(RECIPES / "smollm2_target_rte_pct.yaml")], run=False).config
+    assert target["model"]["peft"]["init_args"]["target_task"] == "rte"
+    # The benchmark narrows the same recipe to one source and its own cache.
+    args = parse_args(["--work", str(tmp_path / "w"), "--source-steps", "7"])
+    narrowed = sources_recipe(args, ["qqp"])
+    assert [s["name"] for s in narrowed["sources"]] == ["qqp"] and narrowed["trainer"]["max_steps"] == 7
+    assert narrowed["out_dir"] == str(tmp_path / "w" / "sources") and "decompose" not in narrowed
+
+
+def _cache(work: Path, accs: dict, targets, seeds):
+    def put(path, obj):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(obj))
+
+    for name in ("mnli", "qnli", "qqp", "sst2"):
+        put(work / "sources" / f"{name}.json", {"test_acc": 0.6, "zero_shot_acc": 0.4, "cpu_s": 10})
+    for t in targets:
+        for i, seed in enumerate(seeds):
+            put(work / "zero_shot" / f"{t}-{seed}.json", {"acc": 0.5, "n": 10})
+            for m, acc in accs.items():
+                put(work / "targets" / t / str(seed) / f"{slug(m)}.json",
+                    {"acc": acc + 0.02 * i, "attention": {"mnli": 0.7, "sst2": 0.3} if "PCT" in m else {},
+                     "trainable": 11520, "base_params": 134515008, "cpu_s": 100, "spot_source": "mnli"})
+
+
+def test_report_from_partial_and_complete_caches(tmp_path):
+    work = tmp_path / "work"
+    args = parse_args(["--work", str(work), "--out", str(tmp_path / "page.md")])
+    # Partial: two methods on two targets only -> pending cells, pending list, no verdict.
+    _cache(work, {"PT": 0.55, "PCT": 0.6}, ["rte", "mrpc"], [13, 42])
+    text = render(args)
+    assert text.startswith(BEGIN) and text.endswith(END)
+    assert "| SPoT | pending | pending | pending | pending |" in text
+    assert "cola seed 13 PT" in text and "**Verdict pending**" in text
+    # Complete: PCT > SPoT > PT by 5 points with a seed std of 1.4 points -> goal met, numbers computed here.
+    _cache(work, {"PT": 0.50, "SPoT": 0.55, "PCT": 0.60, "PCT w/o contrastive": 0.58, "PCT w/o attention": 0.57},
+           args.target_list, args.seed_list)
+    text = render(args)
+    pooled = statistics.stdev([0.50, 0.52])
+    assert f"pooled seed std {100 * pooled:.1f} points" in text and "**Goal met**" in text
+    assert "| PCT | 61.0 ± 1.4 | 61.0 ± 1.4 | 61.0 ± 1.4 | 61.0 ± 1.4 |" in text
+    assert "| rte | 0.700 | 0.300 |" in text and "0.0086%" in text and "Not finished" not in text
+    # Equal methods -> goal not met.
+    _cache(work, dict.fromkeys(METHODS, 0.5), args.target_list, args.seed_list)
+    assert "**Goal not met**" in render(args)
+    # The page: the MiniLM part stays, the section is replaced in place, not duplicated.
+    page = tmp_path / "page.md"
+    page.write_text("# PCT prompt transfer benchmark\n\nMiniLM table\n")
+    write_report(args)
+    write_report(args)
+    body = page.read_text()
+    assert body.startswith("# PCT prompt transfer benchmark\n\nMiniLM table\n") and body.count(BEGIN) == 1
+    assert existing_section(str(page)) == render(args)
+    assert replace_section("a\n" + BEGIN + "old" + END + "\nb", "NEW") == "a\nNEW\nb"
