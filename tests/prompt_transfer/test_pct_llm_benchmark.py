@@ -100,3 +100,48 @@ def test_report_from_partial_and_complete_caches(tmp_path):
     assert body.startswith("# PCT prompt transfer benchmark\n\nMiniLM table\n") and body.count(BEGIN) == 1
     assert existing_section(str(page)) == render(args)
     assert replace_section("a\n" + BEGIN + "old" + END + "\nb", "NEW") == "a\nNEW\nb"
+
+
+def test_target_stage_runs_caches_and_resumes_on_tiny_llama(tmp_path, monkeypatch):
+    """run_targets on tiny:llama (1 step per method): one JSON per method, SPoT retrieves a source from PT's cached
+    prompt, PCT records its attention, and a second call retrains nothing (the cache is the resume point)."""
+    import os
+
+    import torch
+
+    import prompt_transfer as pt
+    from benchmarks import prompt_transfer_llm as bench
+    from peftplug.loading import load_model
+    from peftplug.prompt_cls import PromptClassificationData
+    from tests.prompt_transfer.test_pct_prompt_cls import TARGET, _kshot
+
+    data_dir = _kshot(tmp_path / "data")
+    width = load_model("tiny:llama", "prompt_cls").config.hidden_size
+    prompts = {"sst2": torch.randn(4, width), "qqp": torch.randn(4, width)}
+    work = tmp_path / "work"
+    for sub, weight in (("decomposition", 0.1), ("decomposition_plain", 0.0)):
+        pt.save_decomposition(pt.decompose(prompts, contrastive_weight=weight, contrastive_steps=3), str(work / sub))
+
+    def data(self, target, seed):  # the real task layout, one-character label words (the char tokenizer)
+        dm = PromptClassificationData(**TARGET, data_dir=str(data_dir), max_length=48, batch_size=4)
+        dm.tokenizer = self.tokenizer
+        dm.setup()
+        return dm
+
+    monkeypatch.setattr(bench.Targets, "data", data)
+    args = bench.parse_args(["--model", "tiny:llama", "--work", str(work), "--sources", "sst2,qqp", "--targets",
+                             "rte", "--seeds", "13", "--steps", "1"])
+    bench.run_targets(args, prompts)
+    folder = work / "targets" / "rte" / "13"
+    results = {m: json.loads((folder / f"{slug(m)}.json").read_text()) for m in METHODS}
+    assert all(0 <= r["acc"] <= 1 and r["steps"] == 1 for r in results.values())
+    assert results["SPoT"]["spot_source"] in prompts
+    assert set(results["PCT"]["attention"]) == set(prompts) and results["PT"]["attention"] == {}
+    assert results["PT"]["trainable"] == 4 * width  # one prompt
+    assert results["PCT"]["trainable"] == (1 + 2 + 4) * width  # query + 2 key offsets + residual
+    stamps = {p: os.stat(p).st_mtime_ns for p in folder.iterdir()}
+    bench.run_targets(args, prompts)
+    assert {p: os.stat(p).st_mtime_ns for p in folder.iterdir()} == stamps  # resumed: nothing retrained
+    text = render(args)
+    assert "rte seed 13" not in text and "source sst2" in text  # targets done; the (uncached) sources pending
+    assert f"| PCT | {100 * results['PCT']['acc']:.1f} |" in text
