@@ -404,7 +404,10 @@ def classifier_scorer(model, tokenizer, positive_label: int = 1, batch_size: int
         for lo in range(0, len(texts), batch_size):
             # An empty generation has nothing to classify: give it a space, so it scores as the classifier's prior.
             chunk = [t if t.strip() else " " for t in texts[lo:lo + batch_size]]
-            batch = tokenizer(chunk, return_tensors="pt", padding=True, truncation=True, max_length=max_length)
+            # Right padding whatever the tokenizer's setting: encoder classifiers (BERT) have absolute positions,
+            # so left padding would shift every position and change the scores.
+            batch = tokenizer(chunk, return_tensors="pt", padding=True, truncation=True, max_length=max_length,
+                              padding_side="right")
             with torch.inference_mode():
                 probs = torch.softmax(model(**batch).logits.float(), dim=-1)
             out.extend(probs[:, positive_label].tolist())

@@ -103,7 +103,11 @@ def test_prompt_baseline_conditions_perplexity_on_the_original_prompt(tiny_model
 def test_classifier_scorer(tiny_model, tokenizer):
     clf = tiny_model("bert", task="seq_cls", num_labels=2)
     score = ev.classifier_scorer(clf, tokenizer, positive_label=1)
-    got = score(["great film", "", "awful"])
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # as a generation tokenizer is set up
+    try:
+        got = score(["great film", "", "awful"])
+    finally:
+        tokenizer.padding_side = side
     with torch.no_grad():
         probs = torch.softmax(clf(**tokenizer(["awful"], return_tensors="pt")).logits, -1)[0, 1]
     assert len(got) == 3 and got[2] == pytest.approx(float(probs), rel=1e-5)
