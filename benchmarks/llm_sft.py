@@ -207,8 +207,49 @@ def _ratio_rows(timed: dict) -> list[str]:
     for method, t in timed.items():
         anchor = "QLoRA r=16 (nf4)" if "nf4" in method else "LoRA r=16"
         ratio = t["cpu"] / timed[anchor]["cpu"] if anchor in timed else float("nan")
-        rows.append(f"| {method} | {t['cpu']:.2f} | {t['wall']:.2f} | {ratio:.3f} ({anchor}) |")
+        rows.append(f"| {method} | {t['cpu']:.3f} | {t['wall']:.2f} | {ratio:.3f} ({anchor}) |")
     return rows
+
+
+def targets(results: dict, timed: dict | None) -> list[str]:
+    """The issue's targets, checked against this run's numbers (a line each; unmeasured ones say so).
+
+    Args:
+        results: Accuracy runs by method.
+        timed: Step times by method, or ``None``.
+    """
+    lines = ["## Targets", ""]
+    oft, lora = results.get("OFTv2 b=32"), results.get("LoRA r=16")
+    if oft and lora:
+        met = oft["after"] >= lora["after"] and oft["trainable"] < lora["trainable"]
+        lines.append(f"- OFTv2 accuracy ≥ LoRA r=16's with fewer trainable parameters: {oft['after']:.2f} vs "
+                     f"{lora['after']:.2f} with {oft['trainable']:,} vs {lora['trainable']:,} — "
+                     f"{'met' if met else 'missed'}.")
+    for method, anchor, goal in (("OFTv2 b=32", "LoRA r=16", 1.05), ("QOFT b=32 (nf4)", "QLoRA r=16 (nf4)", 1.10)):
+        if timed and method in timed and anchor in timed:
+            # The ratio as printed in the table (from unrounded times) when the times come from the page.
+            ratio = timed[method].get("ratio") or timed[method]["cpu"] / timed[anchor]["cpu"]
+            verdict = "met" if ratio <= goal else f"missed by {100 * (ratio / goal - 1):.1f} %"
+            lines.append(f"- {method} step ≤ {goal:.2f}× {anchor}: {ratio:.3f} — {verdict}.")
+    if timed and "QOFT b=32 (nf4)" in timed and "OFTv2 b=32" in timed:
+        lines.append(f"- QOFT (NF4 base) vs OFTv2 (fp32 base) step time on CPU: "
+                     f"{timed['QOFT b=32 (nf4)']['cpu'] / timed['OFTv2 b=32']['cpu']:.2f}× (bitsandbytes dequantizes "
+                     "the 4-bit weights on every CPU matmul).")
+    qoft = results.get("QOFT b=32 (nf4)")
+    if qoft:
+        lines.append(f"- QOFT reaches the quickstart's target (≥ 0.85): {qoft['after']:.2f} — "
+                     f"{'met' if qoft['after'] >= 0.85 else 'missed'}.")
+    return lines + [""]
+
+
+def _timed_from_page(section: str) -> dict:
+    """The median CPU step times of a previously written step-time table (to check targets without re-timing)."""
+    timed = {}
+    for row in section.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] in METHODS:
+            timed[cells[0]] = {"cpu": float(cells[1]), "wall": float(cells[2]), "ratio": float(cells[3].split()[0])}
+    return timed
 
 
 def render(results: dict, timed: dict | None, timing_args: dict, previous: str) -> str:
@@ -249,6 +290,7 @@ def render(results: dict, timed: dict | None, timing_args: dict, previous: str) 
               ""]
     marker = "## Step time"
     if timed is not None:
+        lines += targets(results, timed)
         lines += [
             marker, "",
             (f"One process, torch with 1 thread, methods interleaved round by round ({timing_args['rounds']} rounds × "
@@ -260,6 +302,7 @@ def render(results: dict, timed: dict | None, timing_args: dict, previous: str) 
             *_ratio_rows(timed), "",
         ]
     elif marker in previous:
+        lines += targets(results, _timed_from_page(previous[previous.index(marker):]))
         lines += [previous[previous.index(marker):].rstrip(), ""]
     return "\n".join(lines) + "\n"
 
