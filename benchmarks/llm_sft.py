@@ -286,12 +286,12 @@ def render(results: dict, timed: dict | None, timing_args: dict, previous: str) 
             continue
         lines.append(f"| {method} | {r['lr']:g} | {r['trainable']:,} | {r['before']:.2f} | {r['after']:.2f} | "
                      f"{r['fit_s']:.0f} | {r['peak_rss_mb']:.0f} |")
-    lines += ["", "Fit times are single runs on shared cores (one torch thread): compare step times below, not these. "
+    lines += ["", ("Fit times are single runs on shared cores (one torch thread): compare step times below, not these. "
               "The learning rates are one setting per family, not tuned per method: OFT's 1.5e-3 comes from the "
               "quickstart's sweep (1.5e-3 → 0.96, 2.5e-3 → 0.86 held-out accuracy); LoRA's 1e-3 is the usual "
               "small-model setting and was not swept, so a tuned LoRA may close part of the gap. The step-time "
               "ratio moves by a few percent between runs on these shared cores (an earlier measurement of OFTv2 / "
-              "LoRA r=16 at batch 4 × 64 gave 1.01–1.11 over three runs).", ""]
+              "LoRA r=16 at batch 4 × 64 gave 1.01–1.11 over three runs)."), ""]
     marker = "## Step time"
     if timed is not None:
         lines += targets(results, timed)
