@@ -134,7 +134,6 @@ class ChatData(_TokenizedDataModule):
         self.system_prompt = system_prompt
         self.val_fraction = val_fraction
         self.save_hyperparameters()  # the checkpoint keeps the chat format, so `peftplug generate` can reuse it
-        self.answers: dict[str, list[str]] = {}
 
     def load_pairs(self) -> dict[str, tuple[list, list]]:
         """The raw ``{split: (prompts, responses)}``."""
@@ -165,11 +164,16 @@ class ChatData(_TokenizedDataModule):
                 except DataError as err:
                     raise DataError(f"{split} row {row}: {err}") from None
                 examples.append({"input_ids": head + answer, "attention_mask": [1] * (len(head) + len(answer)),
-                                 "labels": [-100] * len(head) + answer, "prompt_ids": head})
+                                 "labels": [-100] * len(head) + answer, "prompt_ids": head,
+                                 "answer_text": str(response).strip()})
             if not examples:
                 raise DataError(f"the {split} split is empty")
             self.splits[split] = examples
-            self.answers[split] = [str(r).strip() for r in responses]
+
+    @property
+    def answers(self) -> dict[str, list[str]]:
+        """The reference answers of every prepared split (after ``setup``)."""
+        return {split: [e["answer_text"] for e in examples] for split, examples in self.splits.items()}
 
     def _collate(self, features: list[dict]) -> dict[str, torch.Tensor]:
         return pad_batch([{k: f[k] for k in ("input_ids", "attention_mask", "labels")} for f in features],
@@ -184,20 +188,14 @@ class ChatData(_TokenizedDataModule):
         batch["gen_answers"] = [f["answer_text"] for f in features]
         return batch
 
-    def _eval_loader(self, split: str) -> DataLoader:
-        if split not in self.splits:
-            raise DataError(f"no {split} data configured")
-        rows = [dict(f, answer_text=a) for f, a in zip(self.splits[split], self.answers[split])]
-        return DataLoader(rows, batch_size=self.eval_batch_size, shuffle=False, num_workers=self.num_workers,
-                          collate_fn=self._eval_collate)
-
     def val_dataloader(self) -> DataLoader:
         """Validation batches, with generation prompts and answers."""
-        return self._eval_loader("validation")
+        return self._loader("validation", shuffle=False, collate=self._eval_collate)
 
     def test_dataloader(self) -> DataLoader:
         """Held-out test batches (the validation split when no test data is configured)."""
-        return self._eval_loader("test" if "test" in self.splits else "validation")
+        split = "test" if "test" in self.splits else "validation"
+        return self._loader(split, shuffle=False, collate=self._eval_collate)
 
 
 class BBCNewsChatData(ChatData):

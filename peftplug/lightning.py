@@ -34,6 +34,7 @@ from peftplug.loading import (
 )
 
 CHECKPOINT_KEY = "peftplug"
+CHECKPOINT_FORMAT = "adapter-only/1"
 # Tasks whose metric is accuracy over class scores: a classification head, or label words (peftplug.prompt_cls).
 CLASSIFICATION_TASKS = ("seq_cls", "prompt_cls")
 GENERATION_PREFIX = "gen_"
@@ -46,7 +47,6 @@ def model_inputs(batch: dict) -> dict:
         batch: A batch dict.
     """
     return {k: v for k, v in batch.items() if not k.startswith(GENERATION_PREFIX)}
-CHECKPOINT_FORMAT = "adapter-only/1"
 
 
 class PeftModule(L.LightningModule):
