@@ -105,15 +105,10 @@ class Generator:
             raise ConfigError(f"--temperature must be >= 0; got {temperature}")
         batch = pad_batch([{"input_ids": p, "attention_mask": [1] * len(p)} for p in prompts],
                           self.tokenizer.pad_token_id, left=True)
-        if temperature == 0:
-            with torch.inference_mode():
-                return self.module.generate_texts(batch["input_ids"], batch["attention_mask"], max_new_tokens)
-        torch.manual_seed(seed)
+        torch.manual_seed(seed)  # only sampling draws from it
         with torch.inference_mode():
-            out = self.module.model.generate(
-                **batch, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
-                pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id)
-        return self.tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+            return self.module.generate_texts(batch["input_ids"], batch["attention_mask"], max_new_tokens,
+                                              temperature=temperature)
 
 
 def generate_main(argv: Sequence[str]) -> int:

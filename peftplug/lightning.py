@@ -185,17 +185,20 @@ class PeftModule(L.LightningModule):
             self._accumulate(f"{stage}_gen_count", torch.tensor(float(len(texts)), device=self.device))
 
     def generate_texts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       max_new_tokens: int | None = None) -> list[str]:
-        """Greedy continuations of left-padded prompts, decoded without special tokens.
+                       max_new_tokens: int | None = None, temperature: float = 0.0) -> list[str]:
+        """Continuations of left-padded prompts (greedy, or sampled above temperature 0), decoded without special
+        tokens.
 
         Args:
             input_ids: Left-padded prompt ids ``[batch, length]``.
             attention_mask: Their attention mask.
             max_new_tokens: Tokens to generate at most (default: ``max_new_tokens`` of the module).
+            temperature: 0 for greedy decoding; above 0, sampling at this temperature (seed torch's RNG first).
         """
         tokenizer = self.tokenizer
+        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
         generated = self.model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+            input_ids=input_ids, attention_mask=attention_mask, **sampling,
             max_new_tokens=max_new_tokens or self.hparams.max_new_tokens,
             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         )
