@@ -31,12 +31,13 @@ import subprocess
 import sys
 import time
 
+from benchmarks import helene_llm_runs
 from benchmarks.helene_llm_runs import CACHE, MEMORY_MODES, RUNS, RunSpec, execute, load_result
 
 TASKS = ("sst2", "rte")
 SEEDS = (42, 13)
 SWEEP_SEED, SWEEP_TASK, SWEEP_STEPS, MAIN_STEPS = 42, "sst2", 60, 300
-MAX_TEST = {"sst2": 500, "rte": 277}  # SST-2: a fixed 500 of its 872 test sentences (CPU budget); RTE: all 277
+MAX_TEST = {"sst2": 872, "rte": 277}  # every test example (SST-2 was cut to 500 while runs were on CPU)
 # RTE premises run to 256+ tokens (train mean 96 at 256); 128 cuts the longest premises (from their end) and halves
 # the padded batch width, which is what a CPU step costs. SST-2 prompts are at most 58 tokens.
 MAX_LENGTH = {"sst2": 256, "rte": 128}
@@ -102,11 +103,44 @@ def queue() -> list[tuple[RunSpec | None, str]]:
     return items
 
 
-def run_queue(limit: int | None) -> None:
-    """Runs unfinished runs in priority order (re-reading the queue after each, as sweeps select lrs)."""
+def phase_specs(phase: str) -> list[RunSpec]:
+    """The runnable runs of one phase: ``first`` (zero-shot and every lr sweep), ``main`` (the 300-step grid, whose
+    lrs need the sweeps) or ``all`` (the whole queue in priority order)."""
+    specs = [s for s, _ in queue() if s is not None]
+    if phase == "first":
+        return [s for s in specs if s.purpose == "sweep" or s.method == "zeroshot"]
+    if phase == "main":
+        return [s for s in specs if s.purpose == "main" and s.method != "zeroshot"]
+    return specs
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> ``(I, N)`` with 0 <= I < N."""
+    try:
+        index, count = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard must look like I/N (e.g. 0/4), got {text!r}") from None
+    if not 0 <= index < count:
+        raise ValueError(f"--shard I/N needs 0 <= I < N, got {text!r}")
+    return index, count
+
+
+def run_queue(limit: int | None, phase: str = "all", shard: tuple[int, int] = (0, 1), write_page: bool = True) -> None:
+    """Runs unfinished runs in priority order (re-reading the queue after each, as sweeps select lrs).
+
+    Args:
+        limit: Stop after this many runs (``None``: until nothing is left).
+        phase: ``all``, ``first`` or ``main`` (see :func:`phase_specs`).
+        shard: ``(I, N)``: this process takes every N-th run of the phase's list, starting at I, so N processes
+            (on one GPU, say) share the work without overlap. Membership is decided on the whole list, finished
+            runs included, so it does not shift while other shards finish theirs.
+        write_page: Rewrite the page after each run (off for shards: one page writer at the end).
+    """
     done = 0
+    index, count = shard
     while limit is None or done < limit:
-        pending = [s for s, _ in queue() if s is not None and load_result(s) is None]
+        mine = [s for i, s in enumerate(phase_specs(phase)) if i % count == index]
+        pending = [s for s in mine if load_result(s) is None]
         if not pending:
             print("queue: nothing left that can run", flush=True)
             break
@@ -116,6 +150,8 @@ def run_queue(limit: int | None) -> None:
         print(f"{time.strftime('%H:%M:%S')} done  {spec.run_id}: test_acc {result['test_acc']:.4f} "
               f"({result['seconds']:.0f} s)", flush=True)
         done += 1
+        if not write_page:
+            continue
         try:
             report()
         except Exception as err:  # noqa: BLE001 - a broken page must not stop the queue: the runs are what cost hours
@@ -124,14 +160,15 @@ def run_queue(limit: int | None) -> None:
 
 def _subprocess(args: list[str]) -> None:
     env = {**os.environ, "PYTHONPATH": str(CACHE.parents[1])}
-    subprocess.run([sys.executable, "-m", "benchmarks.helene_llm_runs", *args], check=True, env=env)
+    subprocess.run([sys.executable, "-m", "benchmarks.helene_llm_runs", *args, "--device", helene_llm_runs.DEVICE],
+                   check=True, env=env)
 
 
 def memory() -> None:
     """Peak RSS of each mode in a fresh process (the peak is per process)."""
     for mode in MEMORY_MODES:
         print(f"memory: {mode}", flush=True)
-        _subprocess(["--memory", mode, "--out", str(CACHE / f"memory_{mode}.json")])
+        _subprocess(["--memory", mode, "--out", str(CACHE / helene_llm_runs.measurement_file("memory", mode))])
 
 
 def probe() -> None:
@@ -177,18 +214,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=("run", "report", "memory", "speed", "probe", "queue"))
     parser.add_argument("--limit", type=int, default=None, help="run: stop after this many runs")
+    parser.add_argument("--phase", choices=("all", "first", "main"), default="all",
+                        help="run: 'first' = zero-shot + lr sweeps, 'main' = the 300-step grid (needs the sweeps)")
+    parser.add_argument("--shard", default="0/1", help="run: I/N, this process's share of the phase")
+    parser.add_argument("--no-report", action="store_true", help="run/memory/speed: do not rewrite the page")
+    parser.add_argument("--device", default=helene_llm_runs.DEVICE, help="cpu, cuda or auto (cuda when available)")
     args = parser.parse_args()
+    try:
+        helene_llm_runs.set_device(args.device)
+        shard = parse_shard(args.shard)
+    except ValueError as err:
+        parser.error(str(err))
     RUNS.mkdir(parents=True, exist_ok=True)
     if args.command == "run":
-        run_queue(args.limit)
+        run_queue(args.limit, args.phase, shard, write_page=not args.no_report)
     elif args.command == "report":
         report()
     elif args.command == "memory":
         memory()
-        report()
+        if not args.no_report:
+            report()
     elif args.command == "speed":
-        _subprocess(["--speed", "--out", str(CACHE / "speed.json")])
-        report()
+        _subprocess(["--speed", "--out", str(CACHE / helene_llm_runs.measurement_file("speed"))])
+        if not args.no_report:
+            report()
     elif args.command == "probe":
         probe()
     else:

@@ -16,6 +16,71 @@ NAMES = {"zeroshot": "zero-shot", "mezo": "MeZO (ZO-SGD)", "helene": "HELENE", "
 FORWARDS_PER_STEP = {"mezo": 2, "helene": 2, "helene_anneal": 2, "zoadam": 2, "adamw_lora": 1}
 
 
+def _memory_section() -> list[str]:
+    """The peak-memory tables: RSS on CPU and, when measured on a GPU, allocated CUDA memory."""
+    lines: list[str] = []
+    for device in ("cpu", "cuda"):
+        name = (lambda m: f"memory_{m}.json") if device == "cpu" else (lambda m: f"memory_cuda_{m}.json")
+        mem = {m: json.loads((CACHE / name(m)).read_text()) for m in MEMORY_MODES if (CACHE / name(m)).is_file()}
+        key = "peak_rss_mib" if device == "cpu" else "peak_cuda_mib"
+        if not mem:
+            if device == "cpu":
+                lines.append("Not measured on CPU yet (`python -m benchmarks.helene_llm memory`).")
+            continue
+        if device == "cpu":
+            lines += [("CPU: peak RSS of the whole process (`ru_maxrss`), each mode in a fresh process, SST-2 k=16 "
+                       "seed 42, batch 16, 3 steps (inference: 2 test batches of 32), same imports (Lightning + "
+                       "PeftModule) in every mode."), ""]
+        else:
+            lines += ["", (f"GPU ({mem[next(iter(mem))].get('device', 'cuda')}): peak CUDA memory allocated by the "
+                           "process (`torch.cuda.max_memory_allocated`), same modes and batches as the CPU table; "
+                           "it counts the model, activations and optimizer state, not the CUDA context."), ""]
+        inference = mem.get("inference", {}).get(key)
+        lines += [f"| mode | trainable parameters | peak {'RSS' if device == 'cpu' else 'CUDA'} (MiB) | × inference |",
+                  "|---|---|---|---|"]
+        for mode in MEMORY_MODES:
+            if mode in mem and mem[mode].get(key) is not None:
+                value = mem[mode][key]
+                ratio = "—" if not inference else f"{value / inference:.3f}"
+                lines.append(f"| {mode} | {mem[mode].get('trainable', 0):,} | {value:.0f} | {ratio} |")
+        if "helene_full" in mem:
+            state = 2 * mem["helene_full"]["trainable"] * 4 / 2**20
+            lines += ["", (f"HELENE keeps two fp32 state vectors (m, h) per trainable parameter: {state:.0f} MiB here, "
+                      "included in its row.")]
+    return lines
+
+
+def _speed_section() -> list[str]:
+    """ZO step breakdown tables, one per device measured (``speed.json`` on CPU, ``speed_cuda.json`` on a GPU)."""
+    lines: list[str] = []
+    for path in (CACHE / "speed.json", CACHE / "speed_cuda.json"):
+        if not path.is_file():
+            continue
+        sp = json.loads(path.read_text())
+        where = sp.get("device") or f"cpu: {sp['threads']} thread(s)"
+        lines += ["", (f"**{where}** — full-parameter steps on random token ids, {sp['length']} tokens per row; "
+                       "forward = `prompt_cls_forward` (decoder + label-word rows); medians"
+                       + (", timed with CUDA synchronisation" if where.startswith("cuda") else "") + "."), "",
+                  "| method | batch | step (ms) | two forwards (ms) | perturb + restore + update (ms) | share of the step |",
+                  "|---|---|---|---|---|---|"]
+        over = {}
+        for method, rows in sp["steps"].items():
+            rows = rows[1:] or rows  # the first step allocates the optimizer state
+            step = statistics.median(r["step"] for r in rows)
+            fwd = statistics.median(r["forward"] for r in rows)
+            over[method] = statistics.median(r["overhead"] for r in rows)
+            lines.append(f"| {method} | 16 | {1e3 * step:.1f} | {1e3 * fwd:.1f} | {1e3 * (step - fwd):.1f} | "
+                         f"{(step - fwd) / step:.1%} |")
+        lines += ["", "Forward time per batch size and the share the (batch-independent) overhead would take:", "",
+                  "| batch × tokens | forward (ms) | MeZO overhead share | HELENE overhead share |", "|---|---|---|---|"]
+        for b, fwd in sorted(sp["forward"].items(), key=lambda kv: int(kv[0])):
+            shares = [f"{over[m] / (over[m] + 2 * fwd):.1%}" for m in ("mezo", "helene") if m in over]
+            lines.append(f"| {b} × {sp['length']} | {1e3 * fwd:.1f} | " + " | ".join(shares) + " |")
+    if not lines:
+        lines.append("Not measured yet (`python -m benchmarks.helene_llm speed`).")
+    return lines
+
+
 def _fmt(x: float | None, digits: int = 3) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
@@ -200,49 +265,15 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
         if _plot(main, zero, DOC.with_name("helene_llm_curves.png")):
             lines += ["", "![curves](helene_llm_curves.png)"]
 
-    lines += ["", "## Memory (peak RSS of the whole process, measured)", ""]
-    mem = {m: json.loads((CACHE / f"memory_{m}.json").read_text()) for m in MEMORY_MODES
-           if (CACHE / f"memory_{m}.json").is_file()}
-    if not mem:
-        lines.append("Not measured yet (`python -m benchmarks.helene_llm memory`).")
-    else:
-        inference = mem.get("inference", {}).get("peak_rss_mib")
-        lines += [("Each mode in a fresh process (`ru_maxrss`), SST-2 k=16 seed 42, batch 16, 3 steps (inference: 2 "
-                  "test batches of 32), same imports (Lightning + PeftModule) in every mode."), "",
-                  "| mode | trainable parameters | peak RSS (MiB) | × inference |", "|---|---|---|---|"]
-        for mode in MEMORY_MODES:
-            if mode in mem:
-                rss = mem[mode]["peak_rss_mib"]
-                ratio = "—" if not inference else f"{rss / inference:.3f}"
-                lines.append(f"| {mode} | {mem[mode].get('trainable', 0):,} | {rss:.0f} | {ratio} |")
-        if "helene_full" in mem:
-            state = 2 * mem["helene_full"]["trainable"] * 4 / 2**20
-            lines += ["", (f"HELENE keeps two fp32 state vectors (m, h) per trainable parameter: {state:.0f} MiB here, "
-                      "included in its row.")]
-
+    lines += ["", "## Memory (measured)", ""]
+    lines += _memory_section()
     lines += ["", "## Cost of a zeroth-order step", ""]
-    speed_path = CACHE / "speed.json"
-    if speed_path.is_file():
-        sp = json.loads(speed_path.read_text())
-        lines += [(f"Full-parameter steps on random token ids, {sp['length']} tokens per row, "
-                  f"{sp['threads']} thread(s); forward = `prompt_cls_forward` (decoder + label-word rows)."), "",
-                  "| method | batch | step (s) | two forwards (s) | perturb + restore + update (s) | share of the step |",
-                  "|---|---|---|---|---|---|"]
-        for method, rows in sp["steps"].items():
-            rows = rows[1:] or rows  # the first step allocates the optimizer state
-            step = statistics.median(r["step"] for r in rows)
-            fwd = statistics.median(r["forward"] for r in rows)
-            lines.append(f"| {method} | 16 | {step:.2f} | {fwd:.2f} | {step - fwd:.2f} | {(step - fwd) / step:.1%} |")
-        lines += ["", "Forward time per batch size and the share the (batch-independent) overhead would take:", "",
-                  "| batch × tokens | forward (s) | MeZO overhead share | HELENE overhead share |", "|---|---|---|---|"]
-        over = {m: statistics.median(r["overhead"] for r in (rows[1:] or rows)) for m, rows in sp["steps"].items()}
-        for b, fwd in sorted(sp["forward"].items(), key=lambda kv: int(kv[0])):
-            shares = [f"{over[m] / (over[m] + 2 * fwd):.1%}" for m in ("mezo", "helene") if m in over]
-            lines.append(f"| {b} × {sp['length']} | {fwd:.2f} | " + " | ".join(shares) + " |")
-    else:
-        lines.append("Not measured yet (`python -m benchmarks.helene_llm speed`).")
+    lines += _speed_section()
+    # Only CPU runs: on a GPU the forward hooks see kernel launches, not kernel time (no synchronisation inside a
+    # step), so the split would be meaningless there; the speed table above synchronises.
     shares = [(r["run_id"], _overhead_share(r)) for r in results
-              if r["spec"]["method"] in ("mezo", "helene", "helene_anneal", "zoadam") and r["steps"]]
+              if r["spec"]["method"] in ("mezo", "helene", "helene_anneal", "zoadam") and r["steps"]
+              and not r.get("device", "cpu").startswith("cuda")]
     if shares:
         lines += ["", ("Inside the benchmark runs (real batches; share of step wall time outside the decoder "
                   "forwards — perturbation, restore, update and Lightning's own bookkeeping):"), "",

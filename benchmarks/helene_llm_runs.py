@@ -29,6 +29,37 @@ MODEL = "smollm2-135m-instruct"
 CACHE = REPO / "runs" / "helene_llm"
 RUNS = CACHE / "runs"
 DATA_DIR = Path(os.environ.get("PEFTPLUG_DATA_DIR", REPO.parent / "shared" / "data"))
+#: Where runs execute: "cpu" (this machine) or "cuda" (a lent GPU). Not part of a run's identity -- the protocol is
+#: the same -- but recorded in every result (``device``), since the z draws (and so the numbers) differ by device.
+DEVICE = os.environ.get("PEFTPLUG_BENCH_DEVICE", "cpu")
+
+
+def set_device(device: str) -> None:
+    """Selects where runs execute (``cpu``, ``cuda`` or ``auto``: cuda when available)."""
+    global DEVICE
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but torch sees no CUDA device")
+    DEVICE = device
+
+
+def device_name() -> str:
+    """What the runs executed on, for the result files."""
+    return f"cuda: {torch.cuda.get_device_name()}" if DEVICE == "cuda" else f"cpu: {torch.get_num_threads()} threads"
+
+
+def measurement_file(kind: str, mode: str | None = None) -> str:
+    """File name of a memory or speed measurement: ``memory_<mode>.json`` / ``speed.json`` on CPU, with ``cuda_``
+    after the kind on a GPU (the two are different questions: RSS on CPU, allocated device memory on a GPU)."""
+    parts = [kind] + (["cuda"] if DEVICE == "cuda" else []) + ([mode] if mode else [])
+    return "_".join(parts) + ".json"
+
+
+def _accelerator() -> str:
+    return "gpu" if DEVICE == "cuda" else "cpu"
 
 #: Optimizers of the grid. "helene_anneal" = HELENE with no Hessian (h ≡ 0, so the denominator is γ·λ = 1):
 #: MeZO plus annealed momentum — the ablation the reviews point at.
@@ -115,6 +146,13 @@ def _git_commit() -> str:
 def peak_rss_mib() -> float:
     """This process's peak resident set size (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def cuda_memory() -> dict:
+    """Peak CUDA memory allocated by this process (empty on CPU): the GPU counterpart of the peak RSS."""
+    if DEVICE != "cuda":
+        return {}
+    return {"peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20}
 
 
 # ------------------------------------------------------------------------------------------------- building
@@ -211,7 +249,7 @@ def _trainer(spec: RunSpec, callbacks: list):
     import lightning as L
 
     return L.Trainer(
-        accelerator="cpu", devices=1, max_steps=max(spec.steps, 1), logger=False, enable_checkpointing=False,
+        accelerator=_accelerator(), devices=1, max_steps=max(spec.steps, 1), logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         val_check_interval=spec.eval_every, check_val_every_n_epoch=None, callbacks=callbacks,
         default_root_dir=str(CACHE / "lightning"),
@@ -235,7 +273,7 @@ def execute(spec: RunSpec) -> dict:
     opt = trainer.optimizers[0] if trainer.optimizers else None
     result = {
         "spec": asdict(spec), "run_id": spec.run_id, "commit": _git_commit(), "model": MODEL,
-        "threads": torch.get_num_threads(), "started": started, "seconds": time.time() - started,
+        "threads": torch.get_num_threads(), "device": device_name(), "started": started, "seconds": time.time() - started,
         "test_acc": test["test_acc"], "test_loss": test["test_loss"], "n_test": len(data.splits["test"]),
         "label_words": list(data.words), "label_word_ids": data.label_word_ids, "template": data.template,
         "token_lengths": data.token_lengths(), "steps": recorder.steps, "val": recorder.val,
@@ -243,7 +281,7 @@ def execute(spec: RunSpec) -> dict:
         "optimizer": None if opt is None else {"class": type(opt).__name__, **{
             k: v for k, v in opt.param_groups[0].items() if isinstance(v, (int, float, str, tuple))}},
         "trainable": sum(p.numel() for p in module.model.parameters() if p.requires_grad),
-        "peak_rss_mib": peak_rss_mib(), "loadavg": os.getloadavg(),
+        "peak_rss_mib": peak_rss_mib(), "loadavg": os.getloadavg(), **cuda_memory(),
     }
     _write_json(result_path(spec), result)
     return result
@@ -269,7 +307,7 @@ def measure_memory(mode: str, steps: int = 3) -> dict:
         module = PeftModule(MODEL, task="prompt_cls", optimizer=partial(torch.optim.AdamW, lr=1e-6))
         data.tokenizer = module.tokenizer
     data.setup()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator=_accelerator(), devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, limit_test_batches=2, default_root_dir=str(CACHE / "lightning"))
     if mode == "inference":
@@ -278,7 +316,7 @@ def measure_memory(mode: str, steps: int = 3) -> dict:
         trainer.fit(module, datamodule=data)
     params = sum(p.numel() for p in module.model.parameters())
     trainable = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
-    return {"mode": mode, "peak_rss_mib": peak_rss_mib(), "params": params, "trainable": trainable,
+    return {"mode": mode, "peak_rss_mib": peak_rss_mib(), **cuda_memory(), "device": device_name(), "params": params, "trainable": trainable,
             "param_mib": sum(p.numel() * p.element_size() for p in module.model.parameters()) / 2**20,
             "steps": steps, "batch_size": spec.batch_size}
 
@@ -294,28 +332,36 @@ def measure_speed(batches=(8, 16, 32, 64), length: int = 48, steps: int = 3) -> 
     from peftplug.lightning import PeftModule
     from peftplug.prompt_cls import prompt_cls_forward
 
+    device = torch.device(DEVICE)
     module = PeftModule(MODEL, task="prompt_cls")
-    model = module.model.eval()
+    model = module.model.eval().to(device)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     words = torch.tensor([1109, 13321])
 
-    def batch_of(b):
-        return {"input_ids": torch.randint(0, vocab, (b, length), generator=gen),
-                "attention_mask": torch.ones(b, length, dtype=torch.long), "label_word_ids": words,
-                "labels": torch.randint(0, 2, (b,), generator=gen)}
+    def clock() -> float:
+        # CUDA runs asynchronously: a wall-clock reading means something only once the queued kernels have run.
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
-    out: dict = {"length": length, "threads": torch.get_num_threads(), "params": sum(p.numel() for p in
-                 model.parameters()), "forward": {}, "steps": {}}
+    def batch_of(b):
+        batch = {"input_ids": torch.randint(0, vocab, (b, length), generator=gen),
+                 "attention_mask": torch.ones(b, length, dtype=torch.long), "label_word_ids": words,
+                 "labels": torch.randint(0, 2, (b,), generator=gen)}
+        return {k: v.to(device) for k, v in batch.items()}
+
+    out: dict = {"length": length, "threads": torch.get_num_threads(), "device": device_name(),
+                 "params": sum(p.numel() for p in model.parameters()), "forward": {}, "steps": {}}
     with torch.no_grad():
         for b in batches:
             batch = batch_of(b)
             prompt_cls_forward(model, batch)
             times = []
-            for _ in range(2):
-                t = time.perf_counter()
+            for _ in range(2 if device.type == "cpu" else 10):
+                t = clock()
                 prompt_cls_forward(model, batch)
-                times.append(time.perf_counter() - t)
+                times.append(clock() - t)
             out["forward"][b] = min(times)
     batch = batch_of(16)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -326,17 +372,17 @@ def measure_speed(batches=(8, 16, 32, 64), length: int = 48, steps: int = 3) -> 
         fwd: list[float] = []
 
         def closure(fwd=fwd):
-            t = time.perf_counter()
+            t = clock()
             loss = prompt_cls_forward(model, batch).loss
-            fwd.append(time.perf_counter() - t)
+            fwd.append(clock() - t)
             return loss
 
         rows = []
-        for _ in range(steps):
+        for _ in range(steps if device.type == "cpu" else 3 * steps):
             fwd.clear()
-            t = time.perf_counter()
+            t = clock()
             opt.step(closure)
-            total = time.perf_counter() - t
+            total = clock() - t
             rows.append({"step": total, "forward": sum(fwd), "overhead": total - sum(fwd)})
         out["steps"][name] = rows
         del opt
@@ -348,7 +394,9 @@ def main() -> None:
     parser.add_argument("--memory", choices=MEMORY_MODES)
     parser.add_argument("--speed", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default=DEVICE, help="cpu, cuda or auto")
     args = parser.parse_args()
+    set_device(args.device)
     result = measure_memory(args.memory) if args.memory else measure_speed()
     _write_json(args.out, {**result, "commit": _git_commit(), "loadavg": os.getloadavg()})
 

@@ -21,6 +21,13 @@ encoder only the virtual-token indices, and an input-dependent prompt cannot be 
 
 Run (background, niced, one thread): ``python -m benchmarks.prompt_transfer --model smollm2-135m-instruct
 [--stage sources|targets|report|all] [--smoke]``.
+
+Device and sharding: ``--device cpu|cuda|cuda:N|auto`` is used by every model of both stages (the Lightning trainer
+of the sources, the target loop and its evaluation); everything cached is written from CPU tensors, so the cache
+loads anywhere. Several processes may share one cache: ``--stage sources --only-sources qnli`` trains just that
+source (its adapter folder and ``<name>.json`` appear atomically) and does not decompose; a later ``--stage sources``
+with every source cached only decomposes. ``--stage targets --targets rte --seeds 13`` runs one (target, seed) from
+the cached sources and decompositions (a missing one: one-line error, exit status 2).
 """
 
 from __future__ import annotations
@@ -61,7 +68,12 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-2, help="prompt / residual learning rate")
     p.add_argument("--attention-lr", type=float, default=5e-2)
     p.add_argument("--temperature", type=float, default=0.1, help="PCT attention temperature")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda, cuda:N or auto (cuda if available): every model and batch of every stage")
+    p.add_argument("--only-sources", default="",
+                   help="--stage sources: train just these (comma-separated, from --sources) and skip the "
+                        "decomposition, so that several processes can share --work")
     p.add_argument("--smoke", action="store_true",
                    help="2 sources (16-shot), 1 target, 1 seed, 2 steps, 8 test rows; writes <work>/report.md")
     args = p.parse_args(argv)
@@ -76,7 +88,9 @@ def parse_args(argv=None):
     args.target_list = [t for t in args.targets.split(",") if t]
     args.seed_list = [int(s) for s in args.seeds.split(",") if s]
     args.method_list = [m for m in args.methods.split(",") if m]
+    args.only_source_list = [s for s in args.only_sources.split(",") if s]
     check_settings(args)
+    args.device = resolve_device(args.device)
     return args
 
 
@@ -104,6 +118,42 @@ def check_settings(args) -> None:
         raise ValueError(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
     if args.temperature <= 0:
         raise ValueError(f"--temperature (attention temperature) must be > 0, got {args.temperature}")
+    stray = [s for s in args.only_source_list if s not in args.source_list]
+    if stray:
+        raise ValueError(f"--only-sources: {stray} not in --sources ({args.sources})")
+    if args.only_source_list and args.stage != "sources":
+        raise ValueError("--only-sources needs --stage sources (targets need every source and the decomposition)")
+
+
+def resolve_device(name: str) -> str:
+    """``cpu``, ``cuda``, ``cuda:N`` (checked to exist) or ``auto`` (``cuda`` when available, else ``cpu``)."""
+    name = name.strip().lower()
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available on this machine (use cpu or auto)")
+        return name
+    raise ValueError(f"--device: expected cpu, cuda, cuda:N or auto, got {name!r}")
+
+
+def lightning_device(device: str) -> dict:
+    """The Lightning ``Trainer`` arguments placing it on ``device`` (``cpu``, ``cuda`` or ``cuda:N``)."""
+    if device == "cpu":
+        return {"accelerator": "cpu", "devices": 1}
+    index = device.partition(":")[2]
+    return {"accelerator": "gpu", "devices": [int(index)] if index else 1}
+
+
+def to_device(batch: dict, device: str) -> dict:
+    """A batch with every tensor moved to ``device``."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class CacheMissing(Exception):
+    """A stage needs something an earlier stage has not cached yet (reported in one line)."""
 
 
 def slug(text: str) -> str:
@@ -136,7 +186,7 @@ def sources_recipe(args, names: list[str]) -> dict:
     recipe["zero_shot"] = True
     recipe["trainer"] = {**recipe["trainer"], "default_root_dir": os.path.join(args.work, "logs", "sources"),
                          "max_steps": args.source_steps, "enable_progress_bar": False,
-                         "enable_model_summary": False, "logger": False}
+                         "enable_model_summary": False, "logger": False, **lightning_device(args.device)}
     recipe["model"] = {**recipe["model"], "model": args.model}
     by_name = {s["name"]: s for s in recipe["sources"]}
     missing = [n for n in names if n not in by_name]
@@ -156,21 +206,27 @@ def sources_recipe(args, names: list[str]) -> dict:
     return recipe
 
 
-def run_sources(args) -> dict:
-    """Trains the sources that are not cached yet (one at a time, cached after each), then decomposes."""
+def run_sources(args) -> dict | None:
+    """Trains the sources that are not cached yet (one at a time, cached after each), then decomposes.
+
+    With ``--only-sources`` only those are trained and nothing is decomposed (returns ``None``): other processes
+    may be training the other sources into the same cache.
+    """
     import prompt_transfer as pt
     from prompt_transfer.cli import train_sources
 
     work = os.path.join(args.work, "sources")
-    for name in args.source_list:
+    for name in args.only_source_list or args.source_list:
         if _read_json(os.path.join(work, f"{name}.json")) is not None:
             continue
         cpu0, t0 = time.process_time(), time.time()
         summary = train_sources(sources_recipe(args, [name]), decompose=False)
         result = {**summary["sources"][name], "cpu_s": time.process_time() - cpu0, "wall_s": time.time() - t0,
-                  "steps": args.source_steps}
-        _write_json(os.path.join(work, f"{name}.json"), result)
+                  "steps": args.source_steps, "device": args.device}
+        _write_json(os.path.join(work, f"{name}.json"), result)  # written last: it marks the source as done
         print(f"[pct-llm] source {name}: {json.dumps(result)}", flush=True)
+    if args.only_source_list:
+        return None
     adapters = {n: os.path.join(work, n) for n in args.source_list}
     base_model = pt.source_base_model(adapters)
     prompts = {n: pt.load_source_prompt(p) for n, p in adapters.items()}
@@ -178,6 +234,31 @@ def run_sources(args) -> dict:
         dec = pt.decompose(prompts, explained_variance=0.95, contrastive_weight=weight, base_model=base_model)
         pt.save_decomposition(dec, os.path.join(args.work, sub))
     return prompts
+
+
+def cached_sources(args) -> dict:
+    """The source prompts (CPU) of every ``--sources`` entry, read from the cache, with both decompositions checked.
+
+    Raises:
+        CacheMissing: Naming the first source or decomposition not cached yet.
+    """
+    import prompt_transfer as pt
+
+    work = os.path.join(args.work, "sources")
+    missing = [n for n in args.source_list if _read_json(os.path.join(work, f"{n}.json")) is None
+               or not os.path.isfile(os.path.join(work, n, "adapter_model.safetensors"))]
+    if missing:
+        raise CacheMissing(f"source(s) {missing} not cached under {work}: run --stage sources first "
+                           f"(e.g. --stage sources --only-sources {missing[0]})")
+    for sub in ("decomposition", "decomposition_plain"):
+        meta = _read_json(os.path.join(args.work, sub, "decomposition.json"))
+        if meta is None:
+            raise CacheMissing(f"{os.path.join(args.work, sub)} not cached: run --stage sources once every source "
+                               "is trained (it decomposes)")
+        if sorted(meta["source_names"]) != sorted(args.source_list):
+            raise CacheMissing(f"{os.path.join(args.work, sub)} decomposes {meta['source_names']}, not --sources "
+                               f"{args.source_list}: rerun --stage sources")
+    return {n: pt.load_source_prompt(os.path.join(work, n)) for n in args.source_list}
 
 
 # --------------------------------------------------------------------------------------------------- targets
@@ -188,8 +269,9 @@ class Targets:
         from peftplug.loading import load_model, load_tokenizer
 
         self.args = args
+        self.device = args.device
         self.tokenizer = load_tokenizer(args.model)
-        self.base = load_model(args.model, "prompt_cls").eval()
+        self.base = load_model(args.model, "prompt_cls").eval().to(self.device)
         self.base_params = sum(p.numel() for p in self.base.parameters())
         self.length = _read_json(os.path.join(args.work, "decomposition", "decomposition.json"))["num_virtual_tokens"]
 
@@ -208,7 +290,10 @@ class Targets:
         from peftplug.prompt_cls import prompt_cls_forward
 
         model.eval()
-        hits = [(prompt_cls_forward(model, b).logits.argmax(-1) == b["labels"]).float() for b in dm.test_dataloader()]
+        hits = []
+        for b in dm.test_dataloader():
+            b = to_device(b, self.device)
+            hits.append((prompt_cls_forward(model, b).logits.argmax(-1) == b["labels"]).float())
         return torch.cat(hits).mean().item()
 
     def fit(self, dm, seed: int, config, init_prompt=None) -> tuple[torch.nn.Module, dict]:
@@ -222,12 +307,15 @@ class Targets:
         model = peft.get_peft_model(copy.deepcopy(self.base), config)
         if init_prompt is not None:
             pt.set_prompt(model, init_prompt)
-        cpu0 = time.process_time()
-        hist = pt.train_prompt(model, list(dm.train_dataloader()), steps=a.steps, lr=a.lr,
+        model.to(self.device)  # the prompt encoder (PCT: its decomposition buffers) joins the base model
+        cpu0, t0 = time.process_time(), time.time()
+        batches = [to_device(b, self.device) for b in dm.train_dataloader()]
+        hist = pt.train_prompt(model, batches, steps=a.steps, lr=a.lr,
                                attention_lr=a.attention_lr, loss_fn=lambda m, b: prompt_cls_forward(m, b).loss)
         acc = self.accuracy(model, dm)
         return model, {"acc": acc, "attention": hist["attention"][-1], "loss_first": hist["loss"][0],
                        "loss_last": hist["loss"][-1], "cpu_s": time.process_time() - cpu0,
+                       "wall_s": time.time() - t0, "device": self.device,
                        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
                        "base_params": self.base_params, "steps": a.steps}
 
@@ -237,6 +325,7 @@ def run_targets(args, prompts: dict) -> None:
     from safetensors.torch import load_file, save_file
 
     import prompt_transfer as pt
+    from peftplug.fileio import atomic_write
 
     bench = Targets(args)
     dec, plain = os.path.join(args.work, "decomposition"), os.path.join(args.work, "decomposition_plain")
@@ -255,9 +344,11 @@ def run_targets(args, prompts: dict) -> None:
                 extra = {}
                 if method == "PT":
                     model, result = bench.fit(dm, seed, pt.prompt_tuning_config("CAUSAL_LM", bench.length, "vocab"))
-                    weight = model.prompt_encoder["default"].embedding.weight.detach()[: bench.length].contiguous()
+                    weight = model.prompt_encoder["default"].embedding.weight.detach()[: bench.length]
+                    weight = weight.to("cpu", torch.float32).contiguous()
                     os.makedirs(folder, exist_ok=True)
-                    save_file({"prompt": weight}, prompt_file)  # SPoT's task embedding, reusable after a restart
+                    # SPoT's task embedding, reusable after a restart (CPU tensor: loads on any machine)
+                    atomic_write(prompt_file, lambda path, w=weight: save_file({"prompt": w}, path))
                 elif method == "SPoT":
                     if not os.path.isfile(prompt_file):
                         print(f"[pct-llm] {target} seed {seed}: SPoT waits for PT (its task embedding)", flush=True)
@@ -287,10 +378,14 @@ def main(argv=None) -> int:
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
-    if args.stage in ("sources", "targets", "all"):
-        prompts = run_sources(args)  # cached sources are only read back
-        if args.stage != "sources":
-            run_targets(args, prompts)
+    try:
+        if args.stage in ("sources", "all"):
+            run_sources(args)  # cached sources are only read back
+        if args.stage in ("targets", "all"):
+            run_targets(args, cached_sources(args))
+    except CacheMissing as err:
+        print(f"[pct-llm] error: {err}", file=sys.stderr, flush=True)
+        return 2
     from benchmarks.prompt_transfer_llm_report import write_report
 
     write_report(args)

@@ -6,6 +6,13 @@ Run from the repo root (resumable: finished settings are cached, the doc is rewr
     .venv/bin/python -m benchmarks.steering_llm --report-only                            # doc from the cache
     .venv/bin/python -m benchmarks.steering_llm --budget-minutes 30                      # stop after 30 min
 
+On a GPU without the classifier: N processes share one ``--out-dir``, generate and measure everything but the
+concept score, then the score is added here from the stored generations::
+
+    python -m benchmarks.steering_llm --device cuda --no-score --skip-overhead --shard I/N --out-dir OUT   # each I
+    python -m benchmarks.steering_llm --device cuda --no-score --shard 0/N --out-dir OUT    # overhead, GPU alone
+    .venv/bin/python -m benchmarks.steering_llm --rescore --out-dir OUT --classifier-dir runs/steering_llm/classifier
+
 What runs, in this order (so that a partial run already compares every method):
 
 1. the concept scorer: an OFTv2 sentiment classifier on all-MiniLM-L6-v2, trained on SST-2 by
@@ -75,6 +82,64 @@ def settings_in_order(layers: list[int], multipliers: list[float], extra_layer: 
     return out
 
 
+def shard_of(plan: list[Setting], shards: int) -> dict[str, int]:
+    """``{setting key: shard}``: the settings that share a vector (same method and layer) in one shard, the
+    baselines (unsteered, prompt) in shard 0, the vector groups then spread greedily (each to the least-loaded
+    shard, by setting count, in plan order). A function of the plan only, so every process agrees.
+
+    Args:
+        plan: The settings (:func:`settings_in_order`).
+        shards: Number of shards (>= 1).
+    """
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    groups: dict[tuple, list[Setting]] = {}
+    for s in plan:
+        groups.setdefault(("baselines",) if s.layer is None else (s.method, s.layer), []).append(s)
+    load = [0] * shards
+    out = {}
+    for name, members in groups.items():
+        shard = 0 if name == ("baselines",) else min(range(shards), key=lambda i: (load[i], i))
+        load[shard] += len(members)
+        out.update({s.key: shard for s in members})
+    return out
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> ``(I, N)`` with ``0 <= I < N``."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--shard wants I/N (e.g. 0/6), got {text!r}") from exc
+    if not (n >= 1 and 0 <= i < n):
+        raise argparse.ArgumentTypeError(f"--shard I/N needs 0 <= I < N, got {text!r}")
+    return i, n
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` (``cuda:N``) or ``auto`` (CUDA when available)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    return device
+
+
+def concept_scorer(args):
+    """``(texts -> P(concept), metadata)`` of ``args.concept``: the trained sentiment classifier (sst2, happy_sad;
+    trained first when not cached) or, for weddings (a topic), the wedding-word scorer."""
+    from benchmarks import steering_llm_data as data
+
+    if args.concept == "weddings":
+        return data.wedding_scorer, {"kind": "keywords", "words": list(data.WEDDING_WORDS)}
+    from benchmarks.steering_llm_classifier import load_scorer, train_classifier
+
+    classifier = Path(args.classifier_dir or Path(args.out_dir) / "classifier")
+    train_classifier(Path(args.data_dir), classifier)
+    return load_scorer(classifier)
+
+
 def rescore(root: Path, scorer, meta: dict) -> int:
     """Re-scores the cached generations whose concept scores came from another classifier; returns how many.
 
@@ -91,10 +156,10 @@ def rescore(root: Path, scorer, meta: dict) -> int:
     count = 0
     for path in sorted((root / "results").glob("*.json")):
         result = json.loads(path.read_text())
-        if result.get("classifier") == meta:
+        if result.get("classifier") == meta and result.get("scored", True):
             continue
         result["scores"] = [float(x) for x in scorer(result["generations"])]
-        result.update(concept_summary(result["scores"]), classifier=meta)
+        result.update(concept_summary(result["scores"]), classifier=meta, scored=True)
         _save_json(path, result)
         count += 1
     return count
@@ -112,30 +177,32 @@ class Bench:
 
     def __init__(self, args):
         from benchmarks import steering_llm_data as data
-        from benchmarks.steering_llm_classifier import load_scorer, train_classifier
         from peftplug.loading import load_model, load_tokenizer
         from steering import evaluate as ev
 
         self.args, self.data, self.ev = args, data, ev
         self.root = Path(args.out_dir) / args.concept
+        self.device = resolve_device(args.device)
         start = time.time()
-        classifier = Path(args.classifier_dir or Path(args.out_dir) / "classifier")
-        self.classifier_meta = train_classifier(Path(args.data_dir), classifier)
-        self.scorer, _ = load_scorer(classifier)
-        _save_json(self.root / "classifier.json", self.classifier_meta)
-        rescored = rescore(self.root, self.scorer, self.classifier_meta)
-        if rescored:
-            print(f"re-scored {rescored} cached settings with this classifier", flush=True)
-        print(f"classifier: dev accuracy {self.classifier_meta['dev_accuracy']:.3f} "
-              f"({time.time() - start:.0f} s)", flush=True)
-        self.tokenizer = load_tokenizer(MODEL)
-        self.model = load_model(MODEL).eval()
+        if args.no_score:  # generations and every other metric now; --rescore adds the concept scores later
+            self.scorer, self.classifier_meta = None, None
+        else:
+            self.scorer, self.classifier_meta = concept_scorer(args)
+            _save_json(self.root / "classifier.json", self.classifier_meta)
+            rescored = rescore(self.root, self.scorer, self.classifier_meta)
+            if rescored:
+                print(f"re-scored {rescored} cached settings with this scorer", flush=True)
+            if "dev_accuracy" in self.classifier_meta:
+                print(f"classifier: dev accuracy {self.classifier_meta['dev_accuracy']:.3f} "
+                      f"({time.time() - start:.0f} s)", flush=True)
+        self.tokenizer = load_tokenizer(args.model)
+        self.model = load_model(args.model).to(self.device).eval()
         self.peft_model = None
         self.prompts = ev.chat_prompts(self.tokenizer, data.OPENERS[: args.prompts])
         self.questions = ev.chat_prompts(self.tokenizer, [q for q, _ in data.FACTS])
         self.answers = [list(a) for _, a in data.FACTS]
-        self.rows = data.sst2_rows(Path(args.data_dir), n=args.pairs)
-        self.vp_rows = data.vector_prompt_rows(Path(args.data_dir), n=args.pairs // 2)
+        self.rows = data.concept_rows(Path(args.data_dir), args.concept, n=args.pairs)
+        self.vp_rows = data.vector_prompt_rows(Path(args.data_dir), concept=args.concept, n=args.pairs // 2)
         baseline = self.root / "facts_baseline.json"
         if not baseline.is_file():
             base = ev.generate(self.model, self.tokenizer, self.questions, max_new_tokens=24, batch_size=args.batch)
@@ -207,9 +274,10 @@ class Bench:
     # ---------------------------------------------------------------------------------------------- settings
     def run(self, setting: Setting) -> dict:
         ev, args = self.ev, self.args
-        common = {"scorer": self.scorer, "questions": self.questions, "answers": self.answers,
-                  "question_baseline": [True] * len(self.questions), "max_new_tokens": args.new_tokens,
-                  "batch_size": args.batch}
+        common = {"scorer": self.scorer, "max_new_tokens": args.new_tokens, "batch_size": args.batch}
+        if self.questions:  # none when the unsteered model answers none right (a tiny test model)
+            common.update(questions=self.questions, answers=self.answers,
+                          question_baseline=[True] * len(self.questions))
         start = time.time()
         if setting.method in ("unsteered", "prompt"):
             model = self.peft_model or self.model
@@ -219,20 +287,21 @@ class Bench:
                 else:
                     instruction = self.data.INSTRUCTIONS[args.concept][setting.direction]
                     openers = self.data.OPENERS[: args.prompts]
+                    steered_questions = ev.chat_prompts(self.tokenizer, [q for q, _ in self.facts],
+                                                        instruction=instruction) if self.facts else None
                     result = ev.evaluate_steering(
                         model, self.tokenizer, ev.chat_prompts(self.tokenizer, openers, instruction=instruction),
-                        reference_prompts=self.prompts,
-                        steered_questions=ev.chat_prompts(self.tokenizer, [q for q, _ in self.facts],
-                                                          instruction=instruction), **common)
+                        reference_prompts=self.prompts, steered_questions=steered_questions, **common)
                     result["instruction"] = instruction
         else:
             result = ev.evaluate_steering(self.steered_model(setting), self.tokenizer, self.prompts, **common)
-        result.update(classifier=self.classifier_meta, method=setting.method, layer=setting.layer,
+        result.update(classifier=self.classifier_meta, scored=self.scorer is not None, device=str(self.device),
+                      method=setting.method, layer=setting.layer,
                       multiplier=setting.multiplier,
                       direction=setting.direction, key=setting.key, seconds=round(time.time() - start, 1))
         return result
 
-    def overhead(self, setting: Setting, rounds: int = 2) -> dict:
+    def overhead(self, setting: Setting, rounds: int | None = None) -> dict:
         """Steered vs unsteered generation tokens/s, interleaved rounds, medians (one run)."""
         from benchmarks.oftv2_cpu import interleaved
 
@@ -247,9 +316,12 @@ class Bench:
                 gen = self.ev.generate(pm, self.tokenizer, prompts, self.args.new_tokens, self.args.batch)
             return gen.new_tokens / gen.seconds
 
-        times = interleaved(["unsteered", "steered"], step, rounds=rounds, steps_per_round=1, warmup=0)
+        rounds = rounds or self.args.overhead_rounds
+        times = interleaved(["unsteered", "steered"], step, rounds=rounds, steps_per_round=1,
+                            warmup=1 if self.device.type == "cuda" else 0)
         med = {k: statistics.median(v) for k, v in times.items()}
         return {"setting": setting.key, "batch": len(prompts), "new_tokens": self.args.new_tokens,
+                "device": str(self.device), "threads": torch.get_num_threads(),
                 "tokens_per_second": med, "runs": times, "ratio": med["steered"] / med["unsteered"]}
 
 
@@ -259,7 +331,17 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", default=str(REPO / "runs" / "steering_llm"))
     parser.add_argument("--classifier-dir", default=None, help="default: OUT_DIR/classifier")
     parser.add_argument("--doc", default=str(REPO / "docs" / "benchmarks" / "steering_llm.md"))
-    parser.add_argument("--concept", default="sst2", choices=["sst2"])
+    parser.add_argument("--concept", default="sst2", choices=["sst2", "happy_sad", "weddings"])
+    parser.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)  # the tests pass a tiny model
+    parser.add_argument("--device", default="cpu", help="cpu, cuda (cuda:N) or auto")
+    parser.add_argument("--no-score", action="store_true",
+                        help="no concept scorer: store generations and every other metric; --rescore scores later")
+    parser.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
+                        help="run only shard I of N (settings sharing a vector together; baselines and the "
+                             "overhead measurement in shard 0); N processes may share one --out-dir")
+    parser.add_argument("--overhead-rounds", type=int, default=2)
+    parser.add_argument("--skip-overhead", action="store_true",
+                        help="no overhead measurement (e.g. while other shards share the GPU; rerun shard 0 after)")
     parser.add_argument("--layers", type=int, nargs="+", default=[10, 15])
     parser.add_argument("--extra-layer", type=int, default=6, help="a third layer, CAA only (-1: none)")
     parser.add_argument("--multipliers", type=float, nargs="+", default=[1.0, 2.0, 4.0])
@@ -285,35 +367,42 @@ def main(argv=None) -> int:
     plan = settings_in_order(args.layers, sorted(args.multipliers), extra)
     report = lambda: write_report(root, plan, Path(args.doc), vars(args))
     if args.rescore:
-        from benchmarks.steering_llm_classifier import load_scorer
-
-        classifier = Path(args.classifier_dir or Path(args.out_dir) / "classifier")
-        scorer, meta = load_scorer(classifier)
+        scorer, meta = concept_scorer(args)  # the classifier is trained only when not cached
         _save_json(root / "classifier.json", meta)
-        print(f"re-scored {rescore(root, scorer, meta)} settings (dev accuracy {meta['dev_accuracy']:.3f})")
+        dev = f" (dev accuracy {meta['dev_accuracy']:.3f})" if "dev_accuracy" in meta else ""
+        print(f"re-scored {rescore(root, scorer, meta)} settings{dev}")
     if args.report_only or args.rescore:
         report()
         return 0
+    shard, shards = args.shard
+    mine = shard_of(plan, shards)
+    # Sharded or unscored processes write results only: the report comes from --rescore / --report-only after.
+    if shards > 1 or args.no_score:
+        report = lambda: None
+    overhead_here = shard == 0 and not args.skip_overhead
+    overhead_setting = Setting("caa", args.layers[0], sorted(args.multipliers)[len(args.multipliers) // 2])
     start = time.time()
     bench = Bench(args)
     for i, setting in enumerate(plan):
         path = root / "results" / f"{setting.key}.json"
-        if path.is_file():
+        if path.is_file() or mine[setting.key] != shard:
             continue
         if args.budget_minutes is not None and time.time() - start > 60 * args.budget_minutes:
             print(f"budget reached: {len(plan) - i} settings not run", flush=True)
             break
         result = bench.run(setting)
         _save_json(path, result)
-        print(f"[{i + 1}/{len(plan)}] {setting.key}: positive rate {result['positive_rate']:.3f}, ppl "
-              f"{result['perplexity']:.2f}, kept {result['instruction_kept']:.2f} ({result['seconds']:.0f} s)",
+        rate = f"positive rate {result['positive_rate']:.3f}" if "positive_rate" in result else "unscored"
+        print(f"[{i + 1}/{len(plan)}] {setting.key}: {rate}, ppl "
+              f"{result['perplexity']:.2f}, kept {result.get('instruction_kept', float('nan')):.2f} "
+              f"({result['seconds']:.0f} s)",
               flush=True)
-        if i == 2 * len(VECTOR_METHODS) + 2 and not (root / "overhead.json").is_file():
-            _save_json(root / "overhead.json", bench.overhead(Setting("caa", args.layers[0], sorted(args.multipliers)[1])))
+        if overhead_here and shards == 1 and i == 2 * len(VECTOR_METHODS) + 2 and not (root / "overhead.json").is_file():
+            _save_json(root / "overhead.json", bench.overhead(overhead_setting))
         report()
-    if not (root / "overhead.json").is_file() and (args.budget_minutes is None
-                                                    or time.time() - start <= 60 * args.budget_minutes):
-        _save_json(root / "overhead.json", bench.overhead(Setting("caa", args.layers[0], sorted(args.multipliers)[1])))
+    if overhead_here and not (root / "overhead.json").is_file() and (
+            args.budget_minutes is None or time.time() - start <= 60 * args.budget_minutes):
+        _save_json(root / "overhead.json", bench.overhead(overhead_setting))
     report()
     return 0
 

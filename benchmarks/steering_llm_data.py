@@ -226,3 +226,21 @@ def wedding_scorer(texts: list[str]) -> list[float]:
     """1.0 when a text mentions a wedding word, else 0.0 (a topic, so a mention is the concept)."""
     words = set(WEDDING_WORDS)
     return [float(any(w.strip(".,!?;:'\"()").lower() in words for w in t.split())) for t in texts]
+
+
+def concept_rows(data_dir: Path, concept: str, n: int = 64) -> list[dict]:
+    """The EasyEdit2 ``{question, matching, not_matching}`` rows of a concept (``matching`` = the "more" side).
+
+    Args:
+        data_dir: The shared data directory.
+        concept: ``sst2`` (positive vs negative sentences), ``happy_sad`` (happy vs sad scenarios) or ``weddings``
+            (its minimal pairs, all of them whatever ``n``).
+        n: Number of rows (sst2, happy_sad).
+    """
+    if concept == "sst2":
+        return sst2_rows(data_dir, n=n)
+    if concept == "happy_sad":
+        return happy_sad_rows(data_dir, n=n)
+    if concept == "weddings":
+        return wedding_rows()
+    raise ValueError(f"unknown concept {concept!r}; expected sst2, happy_sad or weddings")
