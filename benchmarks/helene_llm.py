@@ -159,7 +159,9 @@ def run_queue(limit: int | None, phase: str = "all", shard: tuple[int, int] = (0
 
 
 def _subprocess(args: list[str]) -> None:
-    env = {**os.environ, "PYTHONPATH": str(CACHE.parents[1])}
+    # The repo first, then whatever the caller had on the path (a GPU machine's wheels, say).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CACHE.parents[1]),
+                                                                     os.environ.get("PYTHONPATH")]))}
     subprocess.run([sys.executable, "-m", "benchmarks.helene_llm_runs", *args, "--device", helene_llm_runs.DEVICE],
                    check=True, env=env)
 
