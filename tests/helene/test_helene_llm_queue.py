@@ -1,0 +1,82 @@
+"""The SmolLM2 HELENE benchmark's queue: phases, shards for parallel processes, device selection and file names.
+
+No model runs here: the queue is a function of the cached result files, which the tests write themselves.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import helene_llm, helene_llm_runs
+
+
+@pytest.fixture
+def runs_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(helene_llm_runs, "RUNS", tmp_path)
+    return tmp_path
+
+
+def _finish(spec, losses):
+    """Writes a result file for ``spec`` whose last 20 training losses are ``losses``."""
+    steps = [{"step": i, "loss": v} for i, v in enumerate(losses)]
+    helene_llm_runs.result_path(spec).write_text(json.dumps({"spec": {"lr": spec.lr}, "steps": steps,
+                                                             "nonfinite_steps": 0}))
+
+
+def test_first_phase_is_zero_shot_and_every_sweep_and_main_waits_for_the_sweeps(runs_dir):
+    first = helene_llm.phase_specs("first")
+    methods = helene_llm.PRIORITY
+    assert len(first) == len(helene_llm.TASKS) + sum(len(helene_llm.GRIDS[m]) for m in methods)
+    assert {s.method for s in first if s.purpose != "sweep"} == {"zeroshot"}
+    assert helene_llm.phase_specs("main") == []
+    # Finish every sweep, with the middle lr best for each optimizer: the main grid appears, at those lrs.
+    for method in methods:
+        for i, spec in enumerate(helene_llm.sweep_specs(method)):
+            _finish(spec, [1.0 if i == 1 else 2.0] * 20)
+    main = helene_llm.phase_specs("main")
+    assert len(main) == len(helene_llm.TASKS) * len(helene_llm.SEEDS) * len(methods)
+    assert all(s.steps == helene_llm.MAIN_STEPS and s.lr == helene_llm.GRIDS[s.method][1] for s in main)
+    assert {s.task for s in main} == set(helene_llm.TASKS)
+
+
+def test_a_non_finite_sweep_point_is_never_selected(runs_dir):
+    specs = helene_llm.sweep_specs("mezo")
+    _finish(specs[0], [float("nan")] * 20)
+    _finish(specs[1], [3.0] * 20)
+    _finish(specs[2], [2.0] * 20)
+    assert helene_llm.selected_lr("mezo") == specs[2].lr
+
+
+@pytest.mark.parametrize("count", [1, 2, 6, 40])
+def test_shards_split_a_phase_without_overlap(runs_dir, count):
+    specs = helene_llm.phase_specs("first")
+    shares = [[s for i, s in enumerate(specs) if i % count == k] for k in range(count)]
+    assert sorted(s.run_id for share in shares for s in share) == sorted(s.run_id for s in specs)
+    assert len({s.run_id for s in specs}) == len(specs)
+
+
+@pytest.mark.parametrize("text", ["3", "2/2", "-1/4", "a/b", "1/0"])
+def test_bad_shard_is_a_one_line_error(text):
+    with pytest.raises(ValueError, match="--shard"):
+        helene_llm.parse_shard(text)
+
+
+def test_device_selection_and_measurement_files(monkeypatch):
+    monkeypatch.setattr(helene_llm_runs, "DEVICE", "cpu")
+    helene_llm_runs.set_device("auto")
+    assert helene_llm_runs.DEVICE == ("cuda" if torch.cuda.is_available() else "cpu")
+    helene_llm_runs.set_device("cpu")
+    assert helene_llm_runs.measurement_file("memory", "inference") == "memory_inference.json"
+    assert helene_llm_runs.measurement_file("speed") == "speed.json"
+    assert helene_llm_runs.device_name().startswith("cpu")
+    with pytest.raises(ValueError, match="device must be"):
+        helene_llm_runs.set_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            helene_llm_runs.set_device("cuda")
+    monkeypatch.setattr(helene_llm_runs, "DEVICE", "cuda")
+    assert helene_llm_runs.measurement_file("memory", "inference") == "memory_cuda_inference.json"
+    assert helene_llm_runs.measurement_file("speed") == "speed_cuda.json"
