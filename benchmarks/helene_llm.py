@@ -32,6 +32,7 @@ import sys
 import time
 
 from benchmarks import helene_llm_runs
+from benchmarks.device_args import parse_shard
 from benchmarks.helene_llm_runs import CACHE, MEMORY_MODES, RUNS, RunSpec, execute, load_result
 
 TASKS = ("sst2", "rte")
@@ -112,17 +113,6 @@ def phase_specs(phase: str) -> list[RunSpec]:
     if phase == "main":
         return [s for s in specs if s.purpose == "main" and s.method != "zeroshot"]
     return specs
-
-
-def parse_shard(text: str) -> tuple[int, int]:
-    """``"I/N"`` -> ``(I, N)`` with 0 <= I < N."""
-    try:
-        index, count = (int(v) for v in text.split("/"))
-    except ValueError:
-        raise ValueError(f"--shard must look like I/N (e.g. 0/4), got {text!r}") from None
-    if not 0 <= index < count:
-        raise ValueError(f"--shard I/N needs 0 <= I < N, got {text!r}")
-    return index, count
 
 
 def run_queue(limit: int | None, phase: str = "all", shard: tuple[int, int] = (0, 1), write_page: bool = True) -> None:
@@ -218,18 +208,18 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="run: stop after this many runs")
     parser.add_argument("--phase", choices=("all", "first", "main"), default="all",
                         help="run: 'first' = zero-shot + lr sweeps, 'main' = the 300-step grid (needs the sweeps)")
-    parser.add_argument("--shard", default="0/1", help="run: I/N, this process's share of the phase")
+    parser.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
+                        help="run: this process's share of the phase (N processes, e.g. on one GPU)")
     parser.add_argument("--no-report", action="store_true", help="run/memory/speed: do not rewrite the page")
     parser.add_argument("--device", default=helene_llm_runs.DEVICE, help="cpu, cuda or auto (cuda when available)")
     args = parser.parse_args()
     try:
         helene_llm_runs.set_device(args.device)
-        shard = parse_shard(args.shard)
     except ValueError as err:
         parser.error(str(err))
     RUNS.mkdir(parents=True, exist_ok=True)
     if args.command == "run":
-        run_queue(args.limit, args.phase, shard, write_page=not args.no_report)
+        run_queue(args.limit, args.phase, args.shard, write_page=not args.no_report)
     elif args.command == "report":
         report()
     elif args.command == "memory":

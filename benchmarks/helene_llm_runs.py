@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.device_args import lightning_device, resolve_device
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 CACHE = REPO / "runs" / "helene_llm"
@@ -35,14 +37,11 @@ DEVICE = os.environ.get("PEFTPLUG_BENCH_DEVICE", "cpu")
 
 
 def set_device(device: str) -> None:
-    """Selects where runs execute (``cpu``, ``cuda`` or ``auto``: cuda when available)."""
+    """Selects where runs execute (a ``--device`` value: ``cpu``, ``cuda`` or ``auto``)."""
     global DEVICE
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' asked for, but torch sees no CUDA device")
+        raise ValueError(f"--device: this benchmark runs on cpu or cuda (the current device), got {device!r}")
     DEVICE = device
 
 
@@ -58,8 +57,6 @@ def measurement_file(kind: str, mode: str | None = None) -> str:
     return "_".join(parts) + ".json"
 
 
-def _accelerator() -> str:
-    return "gpu" if DEVICE == "cuda" else "cpu"
 
 #: Optimizers of the grid. "helene_anneal" = HELENE with no Hessian (h ≡ 0, so the denominator is γ·λ = 1):
 #: MeZO plus annealed momentum — the ablation the reviews point at.
@@ -249,7 +246,7 @@ def _trainer(spec: RunSpec, callbacks: list):
     import lightning as L
 
     return L.Trainer(
-        accelerator=_accelerator(), devices=1, max_steps=max(spec.steps, 1), logger=False, enable_checkpointing=False,
+        **lightning_device(DEVICE), max_steps=max(spec.steps, 1), logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         val_check_interval=spec.eval_every, check_val_every_n_epoch=None, callbacks=callbacks,
         default_root_dir=str(CACHE / "lightning"),
@@ -307,7 +304,7 @@ def measure_memory(mode: str, steps: int = 3) -> dict:
         module = PeftModule(MODEL, task="prompt_cls", optimizer=partial(torch.optim.AdamW, lr=1e-6))
         data.tokenizer = module.tokenizer
     data.setup()
-    trainer = L.Trainer(accelerator=_accelerator(), devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(**lightning_device(DEVICE), max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, limit_test_batches=2, default_root_dir=str(CACHE / "lightning"))
     if mode == "inference":

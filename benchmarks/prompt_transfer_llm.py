@@ -41,6 +41,8 @@ import time
 
 import torch
 
+from benchmarks.device_args import lightning_device, resolve_device
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(REPO_ROOT, "recipes", "prompt_transfer", "smollm2_sources.yaml")
 DOC = os.path.join(REPO_ROOT, "docs", "benchmarks", "prompt_transfer.md")
@@ -123,28 +125,6 @@ def check_settings(args) -> None:
         raise ValueError(f"--only-sources: {stray} not in --sources ({args.sources})")
     if args.only_source_list and args.stage != "sources":
         raise ValueError("--only-sources needs --stage sources (targets need every source and the decomposition)")
-
-
-def resolve_device(name: str) -> str:
-    """``cpu``, ``cuda``, ``cuda:N`` (checked to exist) or ``auto`` (``cuda`` when available, else ``cpu``)."""
-    name = name.strip().lower()
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
-        return name
-    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: CUDA is not available on this machine (use cpu or auto)")
-        return name
-    raise ValueError(f"--device: expected cpu, cuda, cuda:N or auto, got {name!r}")
-
-
-def lightning_device(device: str) -> dict:
-    """The Lightning ``Trainer`` arguments placing it on ``device`` (``cpu``, ``cuda`` or ``cuda:N``)."""
-    if device == "cpu":
-        return {"accelerator": "cpu", "devices": 1}
-    index = device.partition(":")[2]
-    return {"accelerator": "gpu", "devices": [int(index)] if index else 1}
 
 
 def to_device(batch: dict, device: str) -> dict:

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.device_args import parse_shard, resolve_device
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 VECTOR_METHODS = ("caa", "pca_center", "vector_prompt", "trainable")
@@ -105,27 +107,6 @@ def shard_of(plan: list[Setting], shards: int) -> dict[str, int]:
     return out
 
 
-def parse_shard(text: str) -> tuple[int, int]:
-    """``"I/N"`` -> ``(I, N)`` with ``0 <= I < N``."""
-    try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"--shard wants I/N (e.g. 0/6), got {text!r}") from exc
-    if not (n >= 1 and 0 <= i < n):
-        raise argparse.ArgumentTypeError(f"--shard I/N needs 0 <= I < N, got {text!r}")
-    return i, n
-
-
-def resolve_device(name: str) -> torch.device:
-    """``cpu``, ``cuda`` (``cuda:N``) or ``auto`` (CUDA when available)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here")
-    return device
-
-
 def concept_scorer(args):
     """``(texts -> P(concept), metadata)`` of ``args.concept``: the trained sentiment classifier (sst2, happy_sad;
     trained first when not cached) or, for weddings (a topic), the wedding-word scorer."""
@@ -182,7 +163,7 @@ class Bench:
 
         self.args, self.data, self.ev = args, data, ev
         self.root = Path(args.out_dir) / args.concept
-        self.device = resolve_device(args.device)
+        self.device = torch.device(args.device)
         start = time.time()
         if args.no_score:  # generations and every other metric now; --rescore adds the concept scores later
             self.scorer, self.classifier_meta = None, None
@@ -333,7 +314,7 @@ def main(argv=None) -> int:
     parser.add_argument("--doc", default=str(REPO / "docs" / "benchmarks" / "steering_llm.md"))
     parser.add_argument("--concept", default="sst2", choices=["sst2", "happy_sad", "weddings"])
     parser.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)  # the tests pass a tiny model
-    parser.add_argument("--device", default="cpu", help="cpu, cuda (cuda:N) or auto")
+    parser.add_argument("--device", type=resolve_device, default="cpu", help="cpu, cuda (cuda:N) or auto")
     parser.add_argument("--no-score", action="store_true",
                         help="no concept scorer: store generations and every other metric; --rescore scores later")
     parser.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",

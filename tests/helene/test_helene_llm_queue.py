@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from benchmarks import helene_llm, helene_llm_runs
+from benchmarks.device_args import lightning_device, parse_shard
 
 
 @pytest.fixture
@@ -61,7 +62,7 @@ def test_shards_split_a_phase_without_overlap(runs_dir, count):
 @pytest.mark.parametrize("text", ["3", "2/2", "-1/4", "a/b", "1/0"])
 def test_bad_shard_is_a_one_line_error(text):
     with pytest.raises(ValueError, match="--shard"):
-        helene_llm.parse_shard(text)
+        parse_shard(text)
 
 
 def test_device_selection_and_measurement_files(monkeypatch):
@@ -72,11 +73,13 @@ def test_device_selection_and_measurement_files(monkeypatch):
     assert helene_llm_runs.measurement_file("memory", "inference") == "memory_inference.json"
     assert helene_llm_runs.measurement_file("speed") == "speed.json"
     assert helene_llm_runs.device_name().startswith("cpu")
-    with pytest.raises(ValueError, match="device must be"):
+    with pytest.raises(ValueError, match="expected cpu, cuda, cuda:N or auto"):
         helene_llm_runs.set_device("tpu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             helene_llm_runs.set_device("cuda")
+    assert lightning_device("cpu") == {"accelerator": "cpu", "devices": 1}
+    assert lightning_device("cuda:1") == {"accelerator": "gpu", "devices": [1]}
     monkeypatch.setattr(helene_llm_runs, "DEVICE", "cuda")
     assert helene_llm_runs.measurement_file("memory", "inference") == "memory_cuda_inference.json"
     assert helene_llm_runs.measurement_file("speed") == "speed_cuda.json"

@@ -18,6 +18,22 @@ from prompt_transfer.source import source_run_config, validate_sources_recipe
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "prompt_transfer"
 
 
+def patch_target_data(monkeypatch, data_dir) -> None:
+    """Makes the benchmark's targets read ``data_dir``'s k-shot RTE layout with one-character label words (the
+    char tokenizer of tiny:llama)."""
+    from benchmarks import prompt_transfer_llm as bench
+    from peftplug.prompt_cls import PromptClassificationData
+    from tests.prompt_transfer.test_pct_prompt_cls import TARGET
+
+    def data(self, target, seed):
+        dm = PromptClassificationData(**TARGET, data_dir=str(data_dir), max_length=48, batch_size=4)
+        dm.tokenizer = self.tokenizer
+        dm.setup()
+        return dm
+
+    monkeypatch.setattr(bench.Targets, "data", data)
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--targets", "rte,SST-2"], r"--targets: 'SST-2' is also a source task"),
     (["--sources", "mnli,rte"], r"--targets: 'rte' is also a source task"),
@@ -112,8 +128,7 @@ def test_target_stage_runs_caches_and_resumes_on_tiny_llama(tmp_path, monkeypatc
     import prompt_transfer as pt
     from benchmarks import prompt_transfer_llm as bench
     from peftplug.loading import load_model
-    from peftplug.prompt_cls import PromptClassificationData
-    from tests.prompt_transfer.test_pct_prompt_cls import TARGET, _kshot
+    from tests.prompt_transfer.test_pct_prompt_cls import _kshot
 
     data_dir = _kshot(tmp_path / "data")
     width = load_model("tiny:llama", "prompt_cls").config.hidden_size
@@ -122,13 +137,7 @@ def test_target_stage_runs_caches_and_resumes_on_tiny_llama(tmp_path, monkeypatc
     for sub, weight in (("decomposition", 0.1), ("decomposition_plain", 0.0)):
         pt.save_decomposition(pt.decompose(prompts, contrastive_weight=weight, contrastive_steps=3), str(work / sub))
 
-    def data(self, target, seed):  # the real task layout, one-character label words (the char tokenizer)
-        dm = PromptClassificationData(**TARGET, data_dir=str(data_dir), max_length=48, batch_size=4)
-        dm.tokenizer = self.tokenizer
-        dm.setup()
-        return dm
-
-    monkeypatch.setattr(bench.Targets, "data", data)
+    patch_target_data(monkeypatch, data_dir)
     args = bench.parse_args(["--model", "tiny:llama", "--work", str(work), "--sources", "sst2,qqp", "--targets",
                              "rte", "--seeds", "13", "--steps", "1"])
     bench.run_targets(args, prompts)

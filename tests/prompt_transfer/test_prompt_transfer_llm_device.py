@@ -12,7 +12,8 @@ import torch
 import yaml
 
 from benchmarks import prompt_transfer_llm as bench
-from tests.prompt_transfer.test_pct_prompt_cls import SOURCES, TARGET, _kshot, _recipe
+from tests.prompt_transfer.test_pct_llm_benchmark import patch_target_data
+from tests.prompt_transfer.test_pct_prompt_cls import SOURCES, _kshot, _recipe
 
 
 def test_device_resolution_and_lightning_arguments(tmp_path):
@@ -21,7 +22,7 @@ def test_device_resolution_and_lightning_arguments(tmp_path):
     with pytest.raises(ValueError, match="--device: expected cpu, cuda, cuda:N or auto"):
         bench.resolve_device("tpu")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="CUDA is not available"):
+        with pytest.raises(ValueError, match="torch sees no CUDA device"):
             bench.parse_args(["--device", "cuda"])
     assert bench.lightning_device("cpu") == {"accelerator": "cpu", "devices": 1}
     assert bench.lightning_device("cuda") == {"accelerator": "gpu", "devices": 1}
@@ -37,7 +38,6 @@ def test_device_resolution_and_lightning_arguments(tmp_path):
 
 
 def test_sharded_sources_then_targets_from_the_cache(tmp_path, monkeypatch):
-    from peftplug.prompt_cls import PromptClassificationData
 
     data_dir = _kshot(tmp_path / "data")
     recipe = _recipe(tmp_path, data_dir)
@@ -49,13 +49,7 @@ def test_sharded_sources_then_targets_from_the_cache(tmp_path, monkeypatch):
     recipe_file.write_text(yaml.safe_dump(recipe))
     monkeypatch.setattr(bench, "RECIPE", str(recipe_file))
 
-    def data(self, target, seed):  # the real task layout, one-character label words (the char tokenizer)
-        dm = PromptClassificationData(**TARGET, data_dir=str(data_dir), max_length=48, batch_size=4)
-        dm.tokenizer = self.tokenizer
-        dm.setup()
-        return dm
-
-    monkeypatch.setattr(bench.Targets, "data", data)
+    patch_target_data(monkeypatch, data_dir)
     work = tmp_path / "work"
     common = ["--model", "tiny:llama", "--work", str(work), "--out", str(tmp_path / "report.md"), "--data-dir",
               str(data_dir), "--sources", "sst2,qqp", "--targets", "rte", "--seeds", "13", "--device", "cpu",
