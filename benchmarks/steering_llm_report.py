@@ -256,6 +256,13 @@ def _verdict(best: dict, results: dict, base: dict) -> list[str]:
     out.append(f"Best vector shift inside the budgets: {_fmt(up)} (more positive), {_fmt(down)} (more negative); "
                f"goal ±{GOAL}: " + ("**met** both ways." if up is not None and down is not None and up >= GOAL
                                      and down <= -GOAL else "**not met** (see the table)."))
+    rate = base.get("positive_rate")
+    if rate is not None and (1.0 - rate < GOAL or rate < GOAL):
+        # A rate is bounded by 0 and 1: a goal larger than the room left is not a test of the method.
+        side, room = ("more positive", 1.0 - rate) if 1.0 - rate < GOAL else ("more negative", rate)
+        out.append(f"Room: the unsteered rate is {rate:.3f}, so \"{side}\" can move it by {room:.3f} at most — the "
+                   f"±{GOAL} goal cannot be met that way on these prompts whatever the method; judge that direction "
+                   "by the table, and the goal by the other direction.")
     for direction, name in ((1, "more positive"), (-1, "more negative")):
         prompt_row = results.get(f"prompt_{'pos' if direction > 0 else 'neg'}")
         if prompt_row is None:
