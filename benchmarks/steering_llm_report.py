@@ -253,16 +253,22 @@ def _verdict(best: dict, results: dict, base: dict) -> list[str]:
     out = []
     if up is None and down is None:
         return ["No vector setting inside the budgets has finished yet."]
-    out.append(f"Best vector shift inside the budgets: {_fmt(up)} (more positive), {_fmt(down)} (more negative); "
-               f"goal ±{GOAL}: " + ("**met** both ways." if up is not None and down is not None and up >= GOAL
-                                     and down <= -GOAL else "**not met** (see the table)."))
     rate = base.get("positive_rate")
-    if rate is not None and (1.0 - rate < GOAL or rate < GOAL):
-        # A rate is bounded by 0 and 1: a goal larger than the room left is not a test of the method.
-        side, room = ("more positive", 1.0 - rate) if 1.0 - rate < GOAL else ("more negative", rate)
-        out.append(f"Room: the unsteered rate is {rate:.3f}, so \"{side}\" can move it by {room:.3f} at most — the "
-                   f"±{GOAL} goal cannot be met that way on these prompts whatever the method; judge that direction "
-                   "by the table, and the goal by the other direction.")
+    room = {1: None if rate is None else 1.0 - rate, -1: rate}
+    parts = []
+    for direction, shift, name in ((1, up, "more positive"), (-1, down, "more negative")):
+        if shift is None:
+            parts.append(f"{name}: no setting inside the budgets")
+        elif shift * direction >= GOAL:
+            parts.append(f"{name}: **met** ({shift:+.3f})")
+        elif room[direction] is not None and room[direction] < GOAL:
+            # A rate is bounded by 0 and 1: a goal larger than the room left is not a test of the method.
+            bound = " — the bound itself" if abs(shift) >= room[direction] - 1e-9 else ""
+            parts.append(f"{name}: cannot be met on these prompts (the unsteered rate {rate:.3f} leaves "
+                         f"{room[direction]:.3f}); best {shift:+.3f}{bound}")
+        else:
+            parts.append(f"{name}: **not met** ({shift:+.3f})")
+    out.append(f"Goal ±{GOAL} (best vector setting inside the budgets): " + "; ".join(parts) + ".")
     for direction, name in ((1, "more positive"), (-1, "more negative")):
         prompt_row = results.get(f"prompt_{'pos' if direction > 0 else 'neg'}")
         if prompt_row is None:
