@@ -56,8 +56,6 @@ def measurement_file(kind: str, mode: str | None = None) -> str:
     parts = [kind] + (["cuda"] if DEVICE == "cuda" else []) + ([mode] if mode else [])
     return "_".join(parts) + ".json"
 
-
-
 #: Optimizers of the grid. "helene_anneal" = HELENE with no Hessian (h ≡ 0, so the denominator is γ·λ = 1):
 #: MeZO plus annealed momentum — the ablation the reviews point at.
 METHODS = ("zeroshot", "mezo", "helene", "helene_anneal", "zoadam", "adamw_lora")
@@ -270,7 +268,8 @@ def execute(spec: RunSpec) -> dict:
     opt = trainer.optimizers[0] if trainer.optimizers else None
     result = {
         "spec": asdict(spec), "run_id": spec.run_id, "commit": _git_commit(), "model": MODEL,
-        "threads": torch.get_num_threads(), "device": device_name(), "started": started, "seconds": time.time() - started,
+        "threads": torch.get_num_threads(), "device": device_name(), "started": started,
+        "seconds": time.time() - started,
         "test_acc": test["test_acc"], "test_loss": test["test_loss"], "n_test": len(data.splits["test"]),
         "label_words": list(data.words), "label_word_ids": data.label_word_ids, "template": data.template,
         "token_lengths": data.token_lengths(), "steps": recorder.steps, "val": recorder.val,
@@ -313,8 +312,8 @@ def measure_memory(mode: str, steps: int = 3) -> dict:
         trainer.fit(module, datamodule=data)
     params = sum(p.numel() for p in module.model.parameters())
     trainable = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
-    return {"mode": mode, "peak_rss_mib": peak_rss_mib(), **cuda_memory(), "device": device_name(), "params": params, "trainable": trainable,
-            "param_mib": sum(p.numel() * p.element_size() for p in module.model.parameters()) / 2**20,
+    return {"mode": mode, "peak_rss_mib": peak_rss_mib(), **cuda_memory(), "device": device_name(), "params": params,
+            "trainable": trainable, "param_mib": sum(p.numel() * p.element_size() for p in module.model.parameters()) / 2**20,
             "steps": steps, "batch_size": spec.batch_size}
 
 

@@ -52,7 +52,23 @@ def test_report_picks_the_best_setting_inside_the_budgets(tmp_path):
     doc = tmp_path / "doc.md"
     report.write_report(root, plan, doc, {"pairs": 64, "train_steps": 24, "train_lr": 0.05})
     text = doc.read_text()
-    assert "**+0.350**" in text and "**-0.400**" in text and "**met** both ways" in text
+    assert "**+0.350**" in text and "**-0.400**" in text
+    assert "more positive: **met** (+0.350); more negative: **met** (-0.400)." in text
     assert "caa_L10_+8 ✗" in text and "## Not run yet" in text and "`vector_prompt_L10_+4`" in text
     assert "on at least one axis (shift, perplexity or kept): CAA" in text
     assert (tmp_path / "doc.png").stat().st_size > 1000
+
+
+def test_goal_line_says_when_the_unsteered_rate_leaves_no_room():
+    base = {"positive_rate": 0.875}
+
+    def derived(delta):
+        return {"delta": delta, "ppl_ratio": 1.05, "kept": 1.0}
+
+    best = {("caa", 1): ({}, derived(0.125)), ("caa", -1): ({}, derived(-0.4)), ("pca_center", 1): ({}, derived(0.05))}
+    [goal] = report._verdict(best, {}, base)
+    assert goal == ("Goal ±0.3 (best vector setting inside the budgets): more positive: cannot be met on these prompts "
+                    "(the unsteered rate 0.875 leaves 0.125); best +0.125 — the bound itself; more negative: **met** "
+                    "(-0.400).")
+    best[("caa", -1)] = ({}, derived(-0.2))
+    assert "more negative: **not met** (-0.200)" in report._verdict(best, {}, base)[0]
