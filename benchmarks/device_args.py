@@ -1,5 +1,5 @@
-"""Command-line helpers the benchmarks share: where a run executes (``--device``) and which share of a queue one of
-several parallel processes takes (``--shard I/N``)."""
+"""Command-line helpers the benchmarks share: where a run executes (``--device``, ``to_device``) and which share
+of a queue one of several parallel processes takes (``--shard I/N``)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,16 @@ def resolve_device(name: str) -> str:
             raise ArgumentValueError(f"--device {name}: torch sees no CUDA device on this machine (use cpu or auto)")
         return name
     raise ArgumentValueError(f"--device: expected cpu, cuda, cuda:N or auto, got {name!r}")
+
+
+def to_device(batch: dict, device) -> dict:
+    """A batch with every tensor moved to ``device``.
+
+    Args:
+        batch: Field name -> value; values that are not tensors are kept as they are.
+        device: A torch device or its name.
+    """
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def lightning_device(device: str) -> dict:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.device_args import lightning_device, resolve_device
+from benchmarks.device_args import lightning_device, resolve_device, to_device
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
@@ -345,7 +345,7 @@ def measure_speed(batches=(8, 16, 32, 64), length: int = 48, steps: int = 3) -> 
         batch = {"input_ids": torch.randint(0, vocab, (b, length), generator=gen),
                  "attention_mask": torch.ones(b, length, dtype=torch.long), "label_word_ids": words,
                  "labels": torch.randint(0, 2, (b,), generator=gen)}
-        return {k: v.to(device) for k, v in batch.items()}
+        return to_device(batch, device)
 
     out: dict = {"length": length, "threads": torch.get_num_threads(), "device": device_name(),
                  "params": sum(p.numel() for p in model.parameters()), "forward": {}, "steps": {}}

@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from benchmarks.device_args import lightning_device, resolve_device
+from benchmarks.device_args import lightning_device, resolve_device, to_device
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(REPO_ROOT, "recipes", "prompt_transfer", "smollm2_sources.yaml")
@@ -125,11 +125,6 @@ def check_settings(args) -> None:
         raise ValueError(f"--only-sources: {stray} not in --sources ({args.sources})")
     if args.only_source_list and args.stage != "sources":
         raise ValueError("--only-sources needs --stage sources (targets need every source and the decomposition)")
-
-
-def to_device(batch: dict, device: str) -> dict:
-    """A batch with every tensor moved to ``device``."""
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 class CacheMissing(Exception):

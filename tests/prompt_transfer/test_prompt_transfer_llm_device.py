@@ -27,6 +27,8 @@ def test_device_resolution_and_lightning_arguments(tmp_path):
     assert bench.lightning_device("cpu") == {"accelerator": "cpu", "devices": 1}
     assert bench.lightning_device("cuda") == {"accelerator": "gpu", "devices": 1}
     assert bench.lightning_device("cuda:1") == {"accelerator": "gpu", "devices": [1]}
+    moved = bench.to_device({"ids": torch.ones(2, dtype=torch.long), "task": "rte"}, "meta")
+    assert moved["ids"].device.type == "meta" and moved["task"] == "rte"  # tensors move, other fields stay
     args = bench.parse_args(["--device", "cpu", "--work", str(tmp_path)])
     assert args.device == "cpu" and bench.sources_recipe(args, ["qnli"])["trainer"]["accelerator"] == "cpu"
     args.device = "cuda"  # what --device cuda gives on a GPU machine (not resolvable here)
