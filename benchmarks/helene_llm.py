@@ -12,13 +12,14 @@ with a label word (``peftplug.prompt_cls``), loss = cross-entropy over the label
 accuracy = argmax over them; test on a fixed subset of the k-shot test file (:data:`MAX_TEST`). Zeroth-order runs
 train every parameter (the point of ZO: finetuning at inference memory); AdamW trains LoRA r=8 on the same data.
 The lr of each optimizer comes from a 60-step sweep of 3 values on SST-2 seed 42 (lowest mean training loss over
-the last 20 steps, non-finite runs excluded); RTE uses the SST-2 choice.
+the last 20 steps, non-finite runs excluded), extended a decade at a time (at most twice) while the best point sits
+on the grid's edge; RTE uses the SST-2 choice.
 
 Every run is cached as one JSON under ``runs/helene_llm/runs/`` (see :mod:`benchmarks.helene_llm_runs`); ``run``
 skips finished runs, so an interrupted queue resumes where it stopped (a run cut short starts again). The page
-says exactly which runs finished and lists the rest. Run it with one thread at low priority on a shared machine::
+says exactly which runs finished and lists the rest. Run it with one thread per process on a shared machine::
 
-    OMP_NUM_THREADS=1 nohup nice -n 10 .venv/bin/python -m benchmarks.helene_llm run > runs/helene_llm/queue.log 2>&1 &
+    OMP_NUM_THREADS=1 setsid nohup .venv/bin/python -m benchmarks.helene_llm run > runs/helene_llm/queue.log 2>&1 &
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ GRIDS = {
     "adamw_lora": (1e-4, 3e-4, 1e-3),
 }
 PRIORITY = ("mezo", "helene", "helene_anneal", "zoadam", "adamw_lora")
+#: Points a sweep may add beyond its grid's edge (see :func:`extension_specs`).
+MAX_EXTENSIONS = 2
 
 
 def zero_shot_specs() -> list[RunSpec]:
@@ -62,10 +65,48 @@ def zero_shot_specs() -> list[RunSpec]:
             for task in TASKS]
 
 
+def base_sweep_specs(method: str) -> list[RunSpec]:
+    """The first three points of one optimizer's 60-step lr sweep (SST-2, seed 42): ``GRIDS[method]``."""
+    return [_sweep_spec(method, lr) for lr in GRIDS[method]]
+
+
+def _sweep_spec(method: str, lr: float) -> RunSpec:
+    return RunSpec(SWEEP_TASK, SWEEP_SEED, method, lr=lr, steps=SWEEP_STEPS, purpose="sweep", max_test=SWEEP_MAX_TEST)
+
+
+def extension_specs(method: str) -> list[RunSpec]:
+    """The points added beyond the grid's edge while the best finished point sits on it.
+
+    A sweep whose best lr is its largest (or smallest) value has not bracketed the optimum, and the selected lr is
+    then an artefact of where the grid stopped. So once every point so far has finished, one more point a decade
+    beyond that edge is added, at most ``MAX_EXTENSIONS`` times per optimizer; selection waits for them. A diverged
+    point is never best, so a sweep that blows up at its top extends no further that way.
+    """
+    points = base_sweep_specs(method)
+    added: list[RunSpec] = []
+    while len(added) < MAX_EXTENSIONS:
+        results = [load_result(s) for s in points]
+        if any(r is None for r in results):
+            break
+        scores = [sweep_score(r) for r in results]
+        best = min(range(len(points)), key=scores.__getitem__)
+        if scores[best] == float("inf"):
+            break
+        lrs = [s.lr for s in points]
+        if lrs[best] == max(lrs):
+            nxt = _sweep_spec(method, float(f"{max(lrs) * 10:.0e}"))
+        elif lrs[best] == min(lrs):
+            nxt = _sweep_spec(method, float(f"{min(lrs) / 10:.0e}"))
+        else:
+            break
+        added.append(nxt)
+        points.append(nxt)
+    return added
+
+
 def sweep_specs(method: str) -> list[RunSpec]:
-    """The 60-step lr sweep of one optimizer (SST-2, seed 42)."""
-    return [RunSpec(SWEEP_TASK, SWEEP_SEED, method, lr=lr, steps=SWEEP_STEPS, purpose="sweep",
-                    max_test=SWEEP_MAX_TEST) for lr in GRIDS[method]]
+    """One optimizer's whole lr sweep: the grid and whatever edge extensions it has needed so far."""
+    return base_sweep_specs(method) + extension_specs(method)
 
 
 def sweep_score(result: dict) -> float:
@@ -77,7 +118,7 @@ def sweep_score(result: dict) -> float:
 
 
 def selected_lr(method: str) -> float | None:
-    """The sweep's lr for ``method``, or ``None`` until every point of its sweep has finished."""
+    """The sweep's lr for ``method``, or ``None`` until every point of its sweep (extensions too) has finished."""
     results = [load_result(s) for s in sweep_specs(method)]
     if any(r is None for r in results):
         return None
@@ -88,10 +129,12 @@ def selected_lr(method: str) -> float | None:
 def queue() -> list[tuple[RunSpec | None, str]]:
     """Every run of the core grid in priority order: ``(spec, "")`` or ``(None, why it cannot start yet)``."""
     items: list[tuple[RunSpec | None, str]] = [(s, "") for s in zero_shot_specs()]
-    for method in PRIORITY[:2]:
-        items += [(s, "") for s in sweep_specs(method)]
-    for method in PRIORITY[2:]:
-        items += [(s, "") for s in sweep_specs(method)]
+    for method in PRIORITY:
+        items += [(s, "") for s in base_sweep_specs(method)]
+    # Edge extensions go after every grid point: they appear while shards are running, and appending keeps every
+    # earlier run's index (and so its shard) where it was.
+    for method in PRIORITY:
+        items += [(s, "") for s in extension_specs(method)]
     for seed in SEEDS:
         for task in TASKS:
             for method in PRIORITY:

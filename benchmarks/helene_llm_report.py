@@ -169,6 +169,7 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
     from benchmarks.helene_llm import (
         GRIDS,
         MAIN_STEPS,
+        MAX_EXTENSIONS,
         PRIORITY,
         SWEEP_STEPS,
         selected_lr,
@@ -194,7 +195,7 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
         " loss = cross-entropy over the label words' logits at the answer position, accuracy = argmax over them. "
         "Zeroth-order runs train **all** parameters (eval mode, ε = 1e-3, batch 16 = the whole 32-example training "
         f"set in 2 steps, {MAIN_STEPS} steps); AdamW trains LoRA r = 8 (α 16, all linear layers of the blocks) on "
-        "the same batches. One torch thread, `nice 10`, on a 2-core CPU shared with other jobs: wall times are "
+        "the same batches. One torch thread per process on a 2-core CPU shared with other jobs: wall times are "
         "indicative only."),
         "",
         "## Zero-shot",
@@ -291,9 +292,11 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
         lines.append("Nothing: the core grid is complete.")
     lines += [f"- `{m}`" for m in missing] + [f"- {b}" for b in blocked]
     lines += ["", "Resume (skips finished runs):", "",
-              ("    OMP_NUM_THREADS=1 nohup nice -n 10 .venv/bin/python -m benchmarks.helene_llm run "
+              ("    OMP_NUM_THREADS=1 setsid nohup .venv/bin/python -m benchmarks.helene_llm run "
               "> runs/helene_llm/queue.log 2>&1 &"), ""]
-    lines += ["Grids: " + "; ".join(f"{NAMES[m]} {', '.join(f'{v:g}' for v in GRIDS[m])}" for m in PRIORITY) + ".", ""]
+    lines += ["Grids: " + "; ".join(f"{NAMES[m]} {', '.join(f'{v:g}' for v in GRIDS[m])}" for m in PRIORITY)
+              + f"; each extended a decade past its edge while the best point sits there (at most {MAX_EXTENSIONS}"
+              " times).", ""]
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text("\n".join(lines))
     return DOC

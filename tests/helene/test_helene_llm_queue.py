@@ -45,10 +45,41 @@ def test_first_phase_is_zero_shot_and_every_sweep_and_main_waits_for_the_sweeps(
 
 def test_a_non_finite_sweep_point_is_never_selected(runs_dir):
     specs = helene_llm.sweep_specs("mezo")
-    _finish(specs[0], [float("nan")] * 20)
-    _finish(specs[1], [3.0] * 20)
-    _finish(specs[2], [2.0] * 20)
-    assert helene_llm.selected_lr("mezo") == specs[2].lr
+    _finish(specs[0], [3.0] * 20)
+    _finish(specs[1], [2.0] * 20)
+    _finish(specs[2], [float("nan")] * 20)  # the top diverged: the best (middle) is inside the grid, no extension
+    assert helene_llm.sweep_specs("mezo") == specs
+    assert helene_llm.selected_lr("mezo") == specs[1].lr
+
+
+def test_a_sweep_whose_best_is_on_an_edge_extends_a_decade_at_a_time(runs_dir):
+    grid = helene_llm.GRIDS["mezo"]
+    base = helene_llm.sweep_specs("mezo")
+    for spec, loss in zip(base, (3.0, 2.0, 1.0)):  # the largest lr is best: the optimum is not bracketed
+        _finish(spec, [loss] * 20)
+    first = helene_llm.sweep_specs("mezo")[len(grid):]
+    assert [s.lr for s in first] == [pytest.approx(grid[-1] * 10)]
+    assert helene_llm.selected_lr("mezo") is None  # selection waits for the extension
+    queue = [s for s, _ in helene_llm.queue() if s is not None]
+    assert queue.index(first[0]) > max(queue.index(s) for m in helene_llm.PRIORITY
+                                       for s in helene_llm.base_sweep_specs(m))  # appended: no shard shifts
+    _finish(first[0], [0.5] * 20)  # still best at the edge: one more decade, then the cap
+    second = helene_llm.sweep_specs("mezo")[len(grid):]
+    assert [s.lr for s in second] == [pytest.approx(grid[-1] * 10), pytest.approx(grid[-1] * 100)]
+    _finish(second[1], [0.4] * 20)
+    assert len(helene_llm.sweep_specs("mezo")) == len(grid) + helene_llm.MAX_EXTENSIONS
+    assert helene_llm.selected_lr("mezo") == pytest.approx(grid[-1] * 100)
+
+
+def test_a_sweep_whose_smallest_lr_is_best_extends_downwards(runs_dir):
+    grid = helene_llm.GRIDS["helene"]
+    for spec, loss in zip(helene_llm.sweep_specs("helene"), (1.0, 2.0, 3.0)):
+        _finish(spec, [loss] * 20)
+    (low,) = helene_llm.sweep_specs("helene")[len(grid):]
+    assert low.lr == pytest.approx(grid[0] / 10)
+    _finish(low, [1.5] * 20)  # worse than the grid's smallest: bracketed, selection is that smallest
+    assert helene_llm.sweep_specs("helene")[len(grid):] == [low]
+    assert helene_llm.selected_lr("helene") == grid[0]
 
 
 @pytest.mark.parametrize("count", [1, 2, 6, 40])
