@@ -67,6 +67,29 @@ def verdict(res, args) -> list[str]:
              "the checks below (source prompts vs zero-shot, PT learning rate).")]
 
 
+def checks(res, args) -> list[str]:
+    """The short "why" checks the verdict points to, from the finished runs: which source prompts beat zero-shot on
+    their own task (one that does not has nothing to transfer), and whether target training moves off zero-shot."""
+    lines = []
+    weak = [n for n, r in res["sources"].items()
+            if r is not None and r.get("test_acc", 0.0) <= r.get("zero_shot_acc", 0.0)]
+    strong = [n for n, r in res["sources"].items() if r is not None and n not in weak]
+    if res["sources"] and all(r is not None for r in res["sources"].values()):
+        lines.append(f"- Source prompts above zero-shot on their own task: {', '.join(strong) or 'none'}"
+                     + (f"; not above it: {', '.join(weak)} (such a prompt has nothing to transfer)." if weak else "."))
+    for t in args.target_list:
+        zero = res["zero"].get(t, [])
+        cells = {m: [r["acc"] for r in res["runs"].get(m, {}).get(t, [])] for m in args.method_list}
+        done = {m: statistics.mean(v) for m, v in cells.items() if v}
+        if not zero or not done:
+            continue
+        z = statistics.mean(zero)
+        best = max(done, key=done.get)
+        lines.append(f"- {t}: zero-shot {100 * z:.1f}; " + ", ".join(f"{m} {100 * (v - z):+.1f}" for m, v in done.items())
+                     + f" points vs zero-shot; best {best}.")
+    return (["### Checks", ""] + lines) if lines else []
+
+
 def render(args) -> str:
     res = collect(args)
     seeds = len(args.seed_list)
@@ -102,6 +125,9 @@ def render(args) -> str:
         lines.append(f"| {m} | " + " | ".join(_cell([r["acc"] for r in runs.get(t, [])], seeds)
                                                for t in args.target_list) + " |")
     lines += [""] + verdict(res, args)
+    found = checks(res, args)
+    if found:
+        lines += [""] + found
     pct = res["runs"].get("PCT", {})
     if pct:
         names = sorted({k for runs in pct.values() for r in runs for k in r["attention"]})

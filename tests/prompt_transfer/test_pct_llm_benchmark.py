@@ -104,9 +104,15 @@ def test_report_from_partial_and_complete_caches(tmp_path):
     assert f"pooled seed std {100 * pooled:.1f} points" in text and "**Goal met**" in text
     assert "| PCT | 61.0 ± 1.4 | 61.0 ± 1.4 | 61.0 ± 1.4 | 61.0 ± 1.4 |" in text
     assert "| rte | 0.700 | 0.300 |" in text and "0.0086%" in text and "Not finished" not in text
+    # Checks: every source beats zero-shot here; zero-shot 50.0 vs PCT's 61.0 mean on each target.
+    assert "Source prompts above zero-shot on their own task: mnli, qnli, qqp, sst2." in text
+    assert "- rte: zero-shot 50.0; PT +1.0, SPoT +6.0, PCT +11.0" in text and "best PCT." in text
     # Equal methods -> goal not met.
     _cache(work, dict.fromkeys(METHODS, 0.5), args.target_list, args.seed_list)
-    assert "**Goal not met**" in render(args)
+    (work / "sources" / "qqp.json").write_text(json.dumps({"test_acc": 0.5, "zero_shot_acc": 0.55, "cpu_s": 1}))
+    text = render(args)
+    assert "**Goal not met**" in text
+    assert "not above it: qqp (such a prompt has nothing to transfer)" in text
     # The page: the MiniLM part stays, the section is replaced in place, not duplicated.
     page = tmp_path / "page.md"
     page.write_text("# PCT prompt transfer benchmark\n\nMiniLM table\n")
