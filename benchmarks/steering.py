@@ -360,13 +360,13 @@ def main(argv=None) -> int:
     samples = args.samples = args.samples or samples
     have_model = (data_dir / "stories260K" / "stories260K.bin").is_file()
     if have_model and args.throughput_only:
-        from peftplug.stories260k import load_stories260k
+        from steering.stories260k import load_stories260k
 
         model, tok = load_stories260k(data_dir)
         tput["stories260K (dim 64, 5 blocks)"] = dict(
             throughput(model, tok, list(STORY_PROMPTS) * 2, 32, repeats, [1, 2]), shape="8 x 32")
     elif have_model:
-        from peftplug.stories260k import load_stories260k
+        from steering.stories260k import load_stories260k
 
         model, tok = load_stories260k(data_dir)
         print(f"stories260K: story pairs (CAA, read {args.read})")

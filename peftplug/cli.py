@@ -6,7 +6,7 @@ Examples::
     peftplug fit --config recipes/quickstart.yaml
     peftplug fit --config recipes/quickstart.yaml --print_config
     peftplug export --ckpt_path runs/quickstart/.../last.ckpt --output adapter/ [--merge]
-    peftplug steering ...            # delegated to peftplug.steering_cli
+    peftplug steering ...            # delegated to steering.cli
 
 Errors caused by input (a wrong setting, path, data file, checkpoint) print as one line ``peftplug: error: ...``
 and exit with status 2; ``--debug`` (anywhere on the line) or ``PEFTPLUG_DEBUG=1`` adds the traceback. Settings
@@ -38,7 +38,7 @@ DEFAULT_ROOT_DIR = "runs"
 # the exit status. Imported only when used, so that a missing one says so in one line and `--help` stays fast.
 SUBCOMMANDS: dict[str, str] = {
     "export": "peftplug.cli:export_main",
-    "steering": "peftplug.steering_cli:main",
+    "steering": "steering.cli:main",
     "generate": "peftplug.generate_cli:generate_main",
     "chat": "peftplug.generate_cli:chat_main",
 }

@@ -90,7 +90,7 @@ def test_print_config_resolves_the_quickstart(capsys):
 
 
 def test_steering_subcommand_is_delegated(capsys):
-    """`peftplug steering ...` reaches peftplug.steering_cli (its own tests cover the subcommands)."""
+    """`peftplug steering ...` reaches steering.cli (its own tests cover the subcommands)."""
     with pytest.raises(SystemExit) as done:
         main(["steering", "--help"])
     assert done.value.code == 0

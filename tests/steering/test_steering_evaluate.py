@@ -117,7 +117,7 @@ def test_classifier_scorer(tiny_model, tokenizer):
 
 def test_cli_evaluate(tiny_model, tokenizer, tmp_path, capsys):
     from peftplug.errors import DataError, MissingFileError
-    from peftplug.steering_cli import main
+    from steering.cli import main
 
     pairs = tmp_path / "rows.jsonl"
     pairs.write_text("\n".join(json.dumps(r) for r in (

@@ -79,7 +79,7 @@ def test_gguf_round_trip(tiny_model, tokenizer, tmp_path):
 
 
 def test_cli_extract_generate_and_convert(tmp_path, capsys):
-    from peftplug.steering_cli import main, read_pairs
+    from steering.cli import main, read_pairs
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("\n".join(json.dumps({"positive": p, "negative": n}) for p, n in PAIRS) + "\n")

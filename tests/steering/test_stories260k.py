@@ -7,7 +7,7 @@ import struct
 import pytest
 import torch
 
-from peftplug.stories260k import _interleaved_to_half_split, load_stories260k, read_llama2c_state_dict
+from steering.stories260k import _interleaved_to_half_split, load_stories260k, read_llama2c_state_dict
 
 LILY = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
 

@@ -13,7 +13,7 @@ are untouched. Greedy decoding from BOS then reproduces the story documented in 
 
 Example::
 
-    from peftplug.stories260k import load_stories260k
+    from steering.stories260k import load_stories260k
     model, tokenizer = load_stories260k("../shared/data")
 """
 

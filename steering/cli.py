@@ -35,7 +35,7 @@ def load_model_and_tokenizer(spec: str):
         spec: ``stories260k[:DATA_DIR]``, ``tiny:<family>``, a directory or a Hub id.
     """
     if spec == "stories260k" or spec.startswith("stories260k:"):
-        from peftplug.stories260k import load_stories260k
+        from steering.stories260k import load_stories260k
 
         data_dir = spec.split(":", 1)[1] if ":" in spec else DEFAULT_DATA_DIR
         try:
