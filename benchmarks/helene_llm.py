@@ -60,9 +60,15 @@ MAX_EXTENSIONS = 2
 
 
 def zero_shot_specs() -> list[RunSpec]:
-    """Zero-shot per task. The test file is the same for every split seed, so one run per task suffices."""
+    """Zero-shot per task on the grid's test set (the test file is the same for every split seed, so one run per
+    task suffices), then on the sweeps' fixed test subset, against which the sweep accuracies are read."""
     return [RunSpec(task, SWEEP_SEED, "zeroshot", max_test=MAX_TEST[task], max_length=MAX_LENGTH[task])
-            for task in TASKS]
+            for task in TASKS] + [sweep_zero_shot_spec()]
+
+
+def sweep_zero_shot_spec() -> RunSpec:
+    """Zero-shot on the sweeps' test subset (SST-2, ``SWEEP_MAX_TEST`` examples)."""
+    return RunSpec(SWEEP_TASK, SWEEP_SEED, "zeroshot", max_test=SWEEP_MAX_TEST, max_length=MAX_LENGTH[SWEEP_TASK])
 
 
 def base_sweep_specs(method: str) -> list[RunSpec]:

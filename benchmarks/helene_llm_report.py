@@ -170,16 +170,20 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
         GRIDS,
         MAIN_STEPS,
         MAX_EXTENSIONS,
+        MAX_TEST,
         PRIORITY,
         SWEEP_STEPS,
         selected_lr,
         sweep_score,
         sweep_specs,
+        sweep_zero_shot_spec,
     )
 
     finished = {spec.run_id: load_result(spec) for spec, _ in queue if spec is not None and load_result(spec)}
     results = [r for r in finished.values()]
-    zero = {r["spec"]["task"]: r for r in results if r["spec"]["method"] == "zeroshot"}
+    zero = {r["spec"]["task"]: r for r in results
+            if r["spec"]["method"] == "zeroshot" and r["spec"]["max_test"] == MAX_TEST[r["spec"]["task"]]}
+    sweep_zero = load_result(sweep_zero_shot_spec())
     main = {(r["spec"]["task"], r["spec"]["split_seed"], r["spec"]["method"]): r for r in results
             if r["spec"]["purpose"] == "main" and r["spec"]["method"] != "zeroshot"}
     lines = [
@@ -218,7 +222,9 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
                          f"{row['mean_tokens']:.1f} / {row['max_tokens']} |")
 
     lines += ["", f"## lr sweeps ({SWEEP_STEPS} steps, SST-2 split seed 42, test on a fixed 200)", "",
-              "Selection: lowest mean training loss over the last 20 steps (a run with a non-finite loss is out).", "",
+              "Selection: lowest mean training loss over the last 20 steps (a run with a non-finite loss is out). "
+              + (f"Zero-shot on the same {sweep_zero['n_test']} test sentences: {sweep_zero['test_acc']:.3f}."
+                 if sweep_zero else "Zero-shot on the same test sentences: not run yet."), "",
               "| optimizer | lr | final train loss | dev acc (end) | test acc | s/step | selected |",
               "|---|---|---|---|---|---|---|"]
     for method in PRIORITY:

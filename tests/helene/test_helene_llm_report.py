@@ -1,0 +1,81 @@
+"""docs/benchmarks/helene_llm.md rendered from cached result files that the test writes: zero-shot, the sweeps
+(with an edge extension), the core grid's table (mean ± std, gain over zero-shot, steps to MeZO's final loss),
+the plot, and the list of what has not run. No model runs here."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict
+
+import pytest
+
+from benchmarks import helene_llm, helene_llm_report, helene_llm_runs
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    monkeypatch.setattr(helene_llm_runs, "RUNS", runs)
+    monkeypatch.setattr(helene_llm_report, "CACHE", tmp_path)
+    monkeypatch.setattr(helene_llm_report, "DOC", tmp_path / "helene_llm.md")
+    return tmp_path
+
+
+def _write(spec, acc, losses=(), val=()):
+    result = {"spec": asdict(spec), "run_id": spec.run_id, "test_acc": acc, "n_test": spec.max_test,
+              "template": "{sentence} It was{answer}", "label_words": [" terrible", " great"],
+              "token_lengths": {"test": [24.9, 58]}, "nonfinite_steps": 0,
+              "steps": [{"step": i, "loss": v, "time": 10.0, "forward_time": 7.0, "width": 30, "tokens": 400}
+                        for i, v in enumerate(losses)],
+              "val": [{"step": s, "acc": a} for s, a in val]}
+    helene_llm_runs.result_path(spec).write_text(json.dumps(result))
+
+
+def _finish_sweeps():
+    """Every sweep with its middle lr best, except MeZO, whose top lr is best until its extension is worse."""
+    for method in helene_llm.PRIORITY:
+        for i, spec in enumerate(helene_llm.base_sweep_specs(method)):
+            best = 2 if method == "mezo" else 1
+            _write(spec, 0.6, [1.0 if i == best else 2.0] * 20)
+    (extension,) = helene_llm.extension_specs("mezo")
+    _write(extension, 0.5, [3.0] * 20)
+
+
+def test_page_lists_what_has_not_run_before_the_sweeps(cache):
+    for spec in helene_llm.zero_shot_specs():
+        _write(spec, 0.5)
+    path = helene_llm_report.write_report(helene_llm.queue())
+    text = path.read_text()
+    assert "| sst2 | `{sentence} It was{answer}` |  terrible /  great | 24.9 / 58 | 872 | 0.500 |" in text
+    assert "Zero-shot on the same 200 test sentences: 0.500." in text
+    assert "No run of the core grid has finished yet." in text
+    assert "- sst2 seed 42 mezo: waits for its lr sweep" in text
+
+
+def test_core_grid_table_from_finished_runs(cache):
+    for spec in helene_llm.zero_shot_specs():
+        _write(spec, 0.5)
+    _finish_sweeps()
+    assert helene_llm.selected_lr("mezo") == helene_llm.GRIDS["mezo"][-1]  # the extension (x10) was worse
+    accs = {("mezo", 42): 0.70, ("mezo", 13): 0.66, ("helene", 42): 0.74, ("helene", 13): 0.72}
+    for spec in helene_llm.phase_specs("main"):
+        if spec.task != "sst2" or (spec.method, spec.split_seed) not in accs:
+            continue
+        # MeZO's loss falls to 0.5; HELENE's twice as fast, so it reaches MeZO's final loss halfway.
+        speed = 2.0 if spec.method == "helene" else 1.0
+        losses = [max(0.5, 1.0 - speed * 0.5 * i / 299) for i in range(300)]
+        _write(spec, accs[spec.method, spec.split_seed], losses, [(0, 0.5), (150, 0.6), (300, 0.7)])
+    text = helene_llm_report.write_report(helene_llm.queue()).read_text()
+    mezo = [0.70, 0.66]
+    assert f"{statistics.mean(mezo):.3f} ± {statistics.stdev(mezo):.3f} (2 seeds) | +0.180 |" in text
+    helene_row = next(line for line in text.splitlines() if line.startswith("| sst2 | HELENE |"))
+    cells = [c.strip() for c in helene_row.split("|")]
+    assert cells[5] == "+0.230"  # mean 0.73 vs zero-shot 0.50
+    steps_to_loss = int(cells[7])
+    assert 150 <= steps_to_loss <= 160  # the running mean of 10 reaches 0.5 a few steps after the curve does
+    assert cells[8] == "300"  # MeZO's final dev accuracy 0.7 is reached at the last evaluation
+    assert "![curves](helene_llm_curves.png)" in text and (cache / "helene_llm_curves.png").stat().st_size > 0
+    assert f"| MeZO (ZO-SGD) | {helene_llm.GRIDS['mezo'][-1] * 10:g} |" in text  # the extension is in the table
+    assert "- `rte_k16_s42_mezo_plain_L128" in text  # RTE has not run: listed, not reported
