@@ -100,9 +100,9 @@ def extension_specs(method: str) -> list[RunSpec]:
             break
         lrs = [s.lr for s in points]
         if lrs[best] == max(lrs):
-            nxt = _sweep_spec(method, float(f"{max(lrs) * 10:.0e}"))
+            nxt = _sweep_spec(method, float(f"{max(lrs) * 10:.6g}"))
         elif lrs[best] == min(lrs):
-            nxt = _sweep_spec(method, float(f"{min(lrs) / 10:.0e}"))
+            nxt = _sweep_spec(method, float(f"{min(lrs) / 10:.6g}"))
         else:
             break
         added.append(nxt)
@@ -123,6 +123,12 @@ def sweep_score(result: dict) -> float:
     return sum(losses) / len(losses)
 
 
+def sweep_diverged(method: str) -> bool:
+    """Whether every point of ``method``'s sweep has finished with a non-finite loss (no lr can be selected)."""
+    results = [load_result(s) for s in sweep_specs(method)]
+    return all(r is not None and sweep_score(r) == float("inf") for r in results)
+
+
 def selected_lr(method: str) -> float | None:
     """The sweep's lr for ``method``, or ``None`` until every point of its sweep (extensions too) has finished."""
     results = [load_result(s) for s in sweep_specs(method)]
@@ -137,8 +143,8 @@ def queue() -> list[tuple[RunSpec | None, str]]:
     items: list[tuple[RunSpec | None, str]] = [(s, "") for s in zero_shot_specs()]
     for method in PRIORITY:
         items += [(s, "") for s in base_sweep_specs(method)]
-    # Edge extensions go after every grid point: they appear while shards are running, and appending keeps every
-    # earlier run's index (and so its shard) where it was.
+    # Edge extensions go after every grid point; they appear while shards are running, so shard_members gives
+    # them a shard by optimizer rather than by position.
     for method in PRIORITY:
         items += [(s, "") for s in extension_specs(method)]
     for seed in SEEDS:
@@ -146,7 +152,9 @@ def queue() -> list[tuple[RunSpec | None, str]]:
             for method in PRIORITY:
                 lr = selected_lr(method)
                 if lr is None:
-                    items.append((None, f"{task} seed {seed} {method}: waits for its lr sweep"))
+                    items.append((None, f"{task} seed {seed} {method}: " + (
+                        "every point of its lr sweep diverged (widen GRIDS downwards)" if sweep_diverged(method)
+                        else "waits for its lr sweep")))
                 else:
                     items.append((RunSpec(task, seed, method, lr=lr, steps=MAIN_STEPS, max_test=MAX_TEST[task],
                                           max_length=MAX_LENGTH[task]), ""))
@@ -164,23 +172,61 @@ def phase_specs(phase: str) -> list[RunSpec]:
     return specs
 
 
-def run_queue(limit: int | None, phase: str = "all", shard: tuple[int, int] = (0, 1), write_page: bool = True) -> None:
+def shard_members(phase: str, shard: tuple[int, int]) -> list[RunSpec]:
+    """The runnable runs of ``phase`` that belong to shard ``(I, N)``, in priority order.
+
+    Membership must not move while other shards finish runs, or two shards would take the same run (or none
+    would). Every run of the queue except the sweeps' edge extensions has a fixed position — the queue lists the
+    whole grid, runs still waiting for their lr included — and belongs to shard ``position % N``. Extensions appear
+    in whatever order sweeps finish, so they are given by optimizer instead: all of one optimizer's extensions (a
+    chain, each waiting for the one before) belong to shard ``PRIORITY.index(method) % N``.
+    """
+    index, count = shard
+    extensions = {s.run_id for m in PRIORITY for s in extension_specs(m)}
+    wanted = {s.run_id for s in phase_specs(phase)}
+    mine, position = [], 0
+    for spec, _ in queue():
+        if spec is not None and spec.run_id in extensions:
+            owner = PRIORITY.index(spec.method) % count
+        else:
+            owner, position = position % count, position + 1
+        if spec is not None and owner == index and spec.run_id in wanted:
+            mine.append(spec)
+    return mine
+
+
+def unfinished_sweep_points() -> int:
+    """How many points of the lr sweeps have not finished (while any has not, an extension may still appear)."""
+    return sum(load_result(s) is None for m in PRIORITY for s in sweep_specs(m))
+
+
+def run_queue(limit: int | None, phase: str = "all", shard: tuple[int, int] = (0, 1), write_page: bool = True,
+              poll_seconds: float = 30.0, max_wait: float = 3600.0) -> None:
     """Runs unfinished runs in priority order (re-reading the queue after each, as sweeps select lrs).
 
     Args:
         limit: Stop after this many runs (``None``: until nothing is left).
         phase: ``all``, ``first`` or ``main`` (see :func:`phase_specs`).
-        shard: ``(I, N)``: this process takes every N-th run of the phase's list, starting at I, so N processes
-            (on one GPU, say) share the work without overlap. Membership is decided on the whole list, finished
-            runs included, so it does not shift while other shards finish theirs.
+        shard: ``(I, N)``: this process's share of the phase (see :func:`shard_members`), so N processes (on one
+            GPU, say) share the work without overlap.
         write_page: Rewrite the page after each run (off for shards: one page writer at the end).
+        poll_seconds: With nothing of its own left while another shard's sweep runs (phases ``first`` and
+            ``all``), how often a shard looks again for an edge extension that may fall to it.
+        max_wait: How long it looks without any sweep finishing before it gives up (a crashed shard's run never
+            finishes).
     """
     done = 0
-    index, count = shard
+    waited, unfinished = 0.0, None
     while limit is None or done < limit:
-        mine = [s for i, s in enumerate(phase_specs(phase)) if i % count == index]
-        pending = [s for s in mine if load_result(s) is None]
+        pending = [s for s in shard_members(phase, shard) if load_result(s) is None]
         if not pending:
+            left = unfinished_sweep_points() if phase != "main" and shard[1] > 1 else 0
+            if left != unfinished:  # a sweep point finished (or appeared) elsewhere: the wait starts over
+                waited, unfinished = 0.0, left
+            if left and waited < max_wait:
+                time.sleep(poll_seconds)
+                waited += poll_seconds
+                continue
             print("queue: nothing left that can run", flush=True)
             break
         spec = pending[0]

@@ -120,10 +120,11 @@ def load_result(spec: RunSpec) -> dict | None:
 
 
 def _write_json(path: Path, data: dict) -> None:
+    from peftplug.fileio import atomic_write_text
+
+    # A temporary name of its own per writer: two processes finishing the same run never share one.
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=1))
 
 
 def _git_commit() -> str:

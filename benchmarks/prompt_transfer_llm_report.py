@@ -71,21 +71,28 @@ def checks(res, args) -> list[str]:
     """The short "why" checks the verdict points to, from the finished runs: which source prompts beat zero-shot on
     their own task (one that does not has nothing to transfer), and whether target training moves off zero-shot."""
     lines = []
-    weak = [n for n, r in res["sources"].items()
-            if r is not None and r.get("test_acc", 0.0) <= r.get("zero_shot_acc", 0.0)]
-    strong = [n for n, r in res["sources"].items() if r is not None and n not in weak]
-    if res["sources"] and all(r is not None for r in res["sources"].values()):
+    # A source trained without its zero-shot or test evaluation cannot be placed either way: it is left out.
+    measured = {n: r for n, r in res["sources"].items() if r and "test_acc" in r and "zero_shot_acc" in r}
+    weak = [n for n, r in measured.items() if r["test_acc"] <= r["zero_shot_acc"]]
+    strong = [n for n in measured if n not in weak]
+    unmeasured = [n for n in res["sources"] if n not in measured]
+    if measured:
         lines.append(f"- Source prompts above zero-shot on their own task: {', '.join(strong) or 'none'}"
-                     + (f"; not above it: {', '.join(weak)} (such a prompt has nothing to transfer)." if weak else "."))
+                     + (f"; not above it: {', '.join(weak)} (such a prompt has nothing to transfer)" if weak else "")
+                     + (f"; not measured (or not trained yet): {', '.join(unmeasured)}" if unmeasured else "") + ".")
+    seeds = len(args.seed_list)
     for t in args.target_list:
         zero = res["zero"].get(t, [])
         cells = {m: [r["acc"] for r in res["runs"].get(m, {}).get(t, [])] for m in args.method_list}
-        done = {m: statistics.mean(v) for m, v in cells.items() if v}
+        done = {m: v for m, v in cells.items() if v}
         if not zero or not done:
             continue
         z = statistics.mean(zero)
-        best = max(done, key=done.get)
-        lines.append(f"- {t}: zero-shot {100 * z:.1f}; " + ", ".join(f"{m} {100 * (v - z):+.1f}" for m, v in done.items())
+        best = max(done, key=lambda m: statistics.mean(done[m]))
+        # Means over the seeds finished so far: a cell on fewer seeds than zero-shot's says so.
+        lines.append(f"- {t}: zero-shot {100 * z:.1f}; "
+                     + ", ".join(f"{m} {100 * (statistics.mean(v) - z):+.1f}"
+                                 + ("" if len(v) == seeds else f" ({len(v)}/{seeds} seeds)") for m, v in done.items())
                      + f" points vs zero-shot; best {best}.")
     return (["### Checks", ""] + lines) if lines else []
 

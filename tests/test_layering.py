@@ -17,23 +17,21 @@ LEAVES = {"peftplug.registry", "peftplug.fileio", "peftplug.errors", "kernels"}
 
 
 def module_level_imports(path: Path) -> set[str]:
-    """Absolute imports of our packages in ``path``'s top-level statements (``if``/``try`` blocks included)."""
+    """Absolute imports of our packages that run when ``path`` is imported: every import statement except those
+    inside a function (or lambda) body, wherever else it stands (``if``, ``try``, ``with``, a class body, ...)."""
     found: set[str] = set()
 
-    def visit(body):
-        for node in body:
-            if isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.add(node.module)
-            elif isinstance(node, (ast.If, ast.Try)):
-                visit(node.body)
-                visit(getattr(node, "orelse", []))
-                visit(getattr(node, "finalbody", []))
-                for handler in getattr(node, "handlers", []):
-                    visit(handler.body)
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue  # runs when called, not on import
+            if isinstance(child, ast.Import):
+                found.update(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                found.add(child.module)
+            visit(child)
 
-    visit(ast.parse(path.read_text()).body)
+    visit(ast.parse(path.read_text()))
     return {name for name in found if name.split(".")[0] in OURS}
 
 
@@ -60,5 +58,6 @@ def test_the_leaves_import_no_method_package_or_trainer():
 def test_the_check_sees_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import torch\ntry:\n    from peftplug.lightning import PeftModule\nexcept ImportError:\n    pass\n"
+                   "class Holder:\n    import peftplug.cli\n"
                    "def lazy():\n    from peftplug.loading import load_model\n")
-    assert module_level_imports(bad) == {"peftplug.lightning"}
+    assert module_level_imports(bad) == {"peftplug.lightning", "peftplug.cli"}

@@ -114,3 +114,75 @@ def test_device_selection_and_measurement_files(monkeypatch):
     monkeypatch.setattr(helene_llm_runs, "DEVICE", "cuda")
     assert helene_llm_runs.measurement_file("memory", "inference") == "memory_cuda_inference.json"
     assert helene_llm_runs.measurement_file("speed") == "speed_cuda.json"
+
+
+def _finish_all_but(skip=()):
+    """Zero-shot and every base sweep point finished (middle lr best, so no extension), except ``skip``."""
+    for spec in helene_llm.zero_shot_specs():
+        if spec not in skip:
+            _finish(spec, [1.0] * 20)
+    for method in helene_llm.PRIORITY:
+        for i, spec in enumerate(helene_llm.base_sweep_specs(method)):
+            if spec not in skip:
+                _finish(spec, [1.0 if i == 1 else 2.0] * 20)
+
+
+@pytest.mark.parametrize("count", [2, 3, 6])
+def test_an_extension_keeps_its_shard_whatever_order_the_sweeps_finish_in(runs_dir, count):
+    owners = []
+    for order in (("mezo", "helene"), ("helene", "mezo")):
+        for f in runs_dir.iterdir():
+            f.unlink()
+        _finish_all_but()
+        for method in order:  # the top lr best: each of the two grows an extension, in this order
+            for spec, loss in zip(helene_llm.base_sweep_specs(method), (3.0, 2.0, 1.0)):
+                _finish(spec, [loss] * 20)
+        shares = [helene_llm.shard_members("first", (k, count)) for k in range(count)]
+        ids = [s.run_id for share in shares for s in share]
+        assert len(ids) == len(set(ids)) == len(helene_llm.phase_specs("first"))  # a partition, no overlap
+        owners.append({s.run_id: k for k, share in enumerate(shares) for s in share})
+    assert owners[0] == owners[1]
+    for method in ("mezo", "helene"):
+        (ext,) = helene_llm.extension_specs(method)
+        assert owners[0][ext.run_id] == helene_llm.PRIORITY.index(method) % count
+
+
+def test_a_shard_with_nothing_left_waits_for_an_extension_that_falls_to_it(runs_dir, monkeypatch):
+    top = helene_llm.base_sweep_specs("helene")[-1]
+    _finish_all_but(skip=[top])
+    assert top in helene_llm.shard_members("first", (0, 2))  # another shard is running HELENE's top point
+    executed, sleeps = [], []
+
+    def other_shard_finishes(seconds):  # meanwhile that shard finishes it, and it is the best: an extension appears
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            _finish(top, [0.5] * 20)
+
+    def execute(spec):
+        executed.append(spec.run_id)
+        _finish(spec, [0.9] * 20)  # worse than 0.5: bracketed, the sweep is complete
+        return {"test_acc": 0.5, "seconds": 1.0}
+
+    monkeypatch.setattr(helene_llm.time, "sleep", other_shard_finishes)
+    monkeypatch.setattr(helene_llm, "execute", execute)
+    helene_llm.run_queue(None, "first", (1, 2), write_page=False, poll_seconds=1.0)
+    (extension,) = helene_llm.extension_specs("helene")
+    assert executed == [extension.run_id] and len(sleeps) == 2
+    assert helene_llm.selected_lr("helene") == top.lr
+
+
+def test_a_shard_gives_up_waiting_when_no_sweep_point_finishes(runs_dir, monkeypatch):
+    top = helene_llm.base_sweep_specs("helene")[-1]
+    _finish_all_but(skip=[top])  # its owner crashed: the point never finishes
+    sleeps = []
+    monkeypatch.setattr(helene_llm.time, "sleep", sleeps.append)
+    helene_llm.run_queue(None, "first", (1, 2), write_page=False, poll_seconds=10.0, max_wait=60.0)
+    assert sum(sleeps) == 60.0
+
+
+def test_a_sweep_that_diverged_everywhere_says_so(runs_dir):
+    for spec in helene_llm.base_sweep_specs("zoadam"):
+        _finish(spec, [float("inf")] * 20)
+    assert helene_llm.selected_lr("zoadam") is None and helene_llm.sweep_diverged("zoadam")
+    reasons = [why for spec, why in helene_llm.queue() if spec is None and " zoadam:" in why]
+    assert reasons and all("every point of its lr sweep diverged" in why for why in reasons)

@@ -96,6 +96,8 @@ def test_report_from_partial_and_complete_caches(tmp_path):
     assert text.startswith(BEGIN) and text.endswith(END)
     assert "| SPoT | pending | pending | pending | pending |" in text
     assert "cola seed 13 PT" in text and "**Verdict pending**" in text
+    _cache(work, {"SPoT": 0.52}, ["cola"], [13])  # one seed of one method: its check says so
+    assert "- cola: zero-shot 50.0; SPoT +2.0 (1/2 seeds) points vs zero-shot; best SPoT." in render(args)
     # Complete: PCT > SPoT > PT by 5 points with a seed std of 1.4 points -> goal met, numbers computed here.
     _cache(work, {"PT": 0.50, "SPoT": 0.55, "PCT": 0.60, "PCT w/o contrastive": 0.58, "PCT w/o attention": 0.57},
            args.target_list, args.seed_list)
