@@ -94,6 +94,14 @@ def checks(res, args) -> list[str]:
                      + ", ".join(f"{m} {100 * (statistics.mean(v) - z):+.1f}"
                                  + ("" if len(v) == seeds else f" ({len(v)}/{seeds} seeds)") for m, v in done.items())
                      + f" points vs zero-shot; best {best}.")
+    for m in ("PCT", "PCT w/o contrastive"):
+        runs = [r for rs in res["runs"].get(m, {}).values() for r in rs if r.get("attention")]
+        if runs:
+            # A softmax that has collapsed onto one source is single-source transfer, whatever its design says.
+            peaked = sum(max(r["attention"].values()) >= 0.95 for r in runs)
+            chosen = sorted({max(r["attention"], key=r["attention"].get) for r in runs})
+            lines.append(f"- {m} attention: one source holds ≥ 0.95 of the weight in {peaked} of {len(runs)} runs "
+                         f"(argmax sources: {', '.join(chosen)}).")
     return (["### Checks", ""] + lines) if lines else []
 
 

@@ -109,6 +109,7 @@ def test_report_from_partial_and_complete_caches(tmp_path):
     # Checks: every source beats zero-shot here; zero-shot 50.0 vs PCT's 61.0 mean on each target.
     assert "Source prompts above zero-shot on their own task: mnli, qnli, qqp, sst2." in text
     assert "- rte: zero-shot 50.0; PT +1.0, SPoT +6.0, PCT +11.0" in text and "best PCT." in text
+    assert "- PCT attention: one source holds ≥ 0.95 of the weight in 0 of 8 runs (argmax sources: mnli)." in text
     # Equal methods -> goal not met.
     _cache(work, dict.fromkeys(METHODS, 0.5), args.target_list, args.seed_list)
     (work / "sources" / "qqp.json").write_text(json.dumps({"test_acc": 0.5, "zero_shot_acc": 0.55, "cpu_s": 1}))
