@@ -223,7 +223,8 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
 
     lines += ["", f"## lr sweeps ({SWEEP_STEPS} steps, SST-2 split seed 42, test on a fixed 200)", "",
               "Selection: lowest mean training loss over the last 20 steps (a run with a non-finite loss is out). "
-              + (f"Zero-shot on the same {sweep_zero.get('n_test', sweep_zero['spec']['max_test'])} test sentences: {sweep_zero['test_acc']:.3f}."
+              + (f"Zero-shot on the same {sweep_zero.get('n_test', sweep_zero['spec']['max_test'])} test "
+                 f"sentences: {sweep_zero['test_acc']:.3f}."
                  if sweep_zero else "Zero-shot on the same test sentences: not run yet."), "",
               "| optimizer | lr | final train loss | dev acc (end) | test acc | s/step | selected |",
               "|---|---|---|---|---|---|---|"]

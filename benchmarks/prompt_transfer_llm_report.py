@@ -64,7 +64,8 @@ def verdict(res, args) -> list[str]:
             "",
             ("**Goal met**: PCT beats SPoT and SPoT beats PT by more than the pooled seed std." if ok else
              "**Goal not met**: the ordering PCT > SPoT > PT does not hold by more than the pooled seed std; see "
-             "the checks below (source prompts vs zero-shot, PT learning rate).")]
+             "the checks below (source prompts against their zero-shot, each method against the target's "
+             "zero-shot, how peaked PCT's attention is).")]
 
 
 def checks(res, args) -> list[str]:

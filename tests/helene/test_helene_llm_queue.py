@@ -30,7 +30,8 @@ def _finish(spec, losses):
 def test_first_phase_is_zero_shot_and_every_sweep_and_main_waits_for_the_sweeps(runs_dir):
     first = helene_llm.phase_specs("first")
     methods = helene_llm.PRIORITY
-    assert len(first) == len(helene_llm.TASKS) + 1 + sum(len(helene_llm.GRIDS[m]) for m in methods)  # +1: the sweep subset
+    # Zero-shot per task, plus one on the sweeps' test subset, then every grid point.
+    assert len(first) == len(helene_llm.TASKS) + 1 + sum(len(helene_llm.GRIDS[m]) for m in methods)
     assert {s.method for s in first if s.purpose != "sweep"} == {"zeroshot"}
     assert helene_llm.phase_specs("main") == []
     # Finish every sweep, with the middle lr best for each optimizer: the main grid appears, at those lrs.
