@@ -147,29 +147,34 @@ def queue() -> list[tuple[RunSpec | None, str]]:
     # them a shard by optimizer rather than by position.
     for method in PRIORITY:
         items += [(s, "") for s in extension_specs(method)]
+    # One selection per optimizer (each reads its sweep's files), shared by every (seed, task) of the grid.
+    chosen = {method: selected_lr(method) for method in PRIORITY}
+    waiting = {method: "every point of its lr sweep diverged (widen GRIDS downwards)" if sweep_diverged(method)
+               else "waits for its lr sweep" for method in PRIORITY if chosen[method] is None}
     for seed in SEEDS:
         for task in TASKS:
             for method in PRIORITY:
-                lr = selected_lr(method)
-                if lr is None:
-                    items.append((None, f"{task} seed {seed} {method}: " + (
-                        "every point of its lr sweep diverged (widen GRIDS downwards)" if sweep_diverged(method)
-                        else "waits for its lr sweep")))
+                if chosen[method] is None:
+                    items.append((None, f"{task} seed {seed} {method}: {waiting[method]}"))
                 else:
-                    items.append((RunSpec(task, seed, method, lr=lr, steps=MAIN_STEPS, max_test=MAX_TEST[task],
-                                          max_length=MAX_LENGTH[task]), ""))
+                    items.append((RunSpec(task, seed, method, lr=chosen[method], steps=MAIN_STEPS,
+                                          max_test=MAX_TEST[task], max_length=MAX_LENGTH[task]), ""))
     return items
 
 
-def phase_specs(phase: str) -> list[RunSpec]:
-    """The runnable runs of one phase: ``first`` (zero-shot and every lr sweep), ``main`` (the 300-step grid, whose
-    lrs need the sweeps) or ``all`` (the whole queue in priority order)."""
-    specs = [s for s, _ in queue() if s is not None]
+def in_phase(spec: RunSpec, phase: str) -> bool:
+    """Whether ``spec`` belongs to ``phase``: ``first`` (zero-shot and every lr sweep), ``main`` (the 300-step grid,
+    whose lrs need the sweeps) or ``all``."""
     if phase == "first":
-        return [s for s in specs if s.purpose == "sweep" or s.method == "zeroshot"]
+        return spec.purpose == "sweep" or spec.method == "zeroshot"
     if phase == "main":
-        return [s for s in specs if s.purpose == "main" and s.method != "zeroshot"]
-    return specs
+        return spec.purpose == "main" and spec.method != "zeroshot"
+    return True
+
+
+def phase_specs(phase: str) -> list[RunSpec]:
+    """The runnable runs of one phase (see :func:`in_phase`), in priority order."""
+    return [s for s, _ in queue() if s is not None and in_phase(s, phase)]
 
 
 def shard_members(phase: str, shard: tuple[int, int]) -> list[RunSpec]:
@@ -182,15 +187,14 @@ def shard_members(phase: str, shard: tuple[int, int]) -> list[RunSpec]:
     chain, each waiting for the one before) belong to shard ``PRIORITY.index(method) % N``.
     """
     index, count = shard
-    extensions = {s.run_id for m in PRIORITY for s in extension_specs(m)}
-    wanted = {s.run_id for s in phase_specs(phase)}
     mine, position = [], 0
     for spec, _ in queue():
-        if spec is not None and spec.run_id in extensions:
+        # An extension is a sweep point off its grid (the grid's own points are built from GRIDS' values exactly).
+        if spec is not None and spec.purpose == "sweep" and spec.lr not in GRIDS[spec.method]:
             owner = PRIORITY.index(spec.method) % count
         else:
             owner, position = position % count, position + 1
-        if spec is not None and owner == index and spec.run_id in wanted:
+        if spec is not None and owner == index and in_phase(spec, phase):
             mine.append(spec)
     return mine
 

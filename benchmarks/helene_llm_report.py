@@ -179,11 +179,12 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
         sweep_zero_shot_spec,
     )
 
-    finished = {spec.run_id: load_result(spec) for spec, _ in queue if spec is not None and load_result(spec)}
+    loaded = {spec.run_id: load_result(spec) for spec, _ in queue if spec is not None}
+    finished = {run_id: r for run_id, r in loaded.items() if r is not None}
     results = [r for r in finished.values()]
     zero = {r["spec"]["task"]: r for r in results
             if r["spec"]["method"] == "zeroshot" and r["spec"]["max_test"] == MAX_TEST[r["spec"]["task"]]}
-    sweep_zero = load_result(sweep_zero_shot_spec())
+    sweep_zero = finished.get(sweep_zero_shot_spec().run_id)
     main = {(r["spec"]["task"], r["spec"]["split_seed"], r["spec"]["method"]): r for r in results
             if r["spec"]["purpose"] == "main" and r["spec"]["method"] != "zeroshot"}
     lines = [

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.device_args import lightning_device, resolve_device, to_device
+from peftplug.fileio import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
@@ -120,8 +121,6 @@ def load_result(spec: RunSpec) -> dict | None:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    from peftplug.fileio import atomic_write_text
-
     # A temporary name of its own per writer: two processes finishing the same run never share one.
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(data, indent=1))
