@@ -7,7 +7,7 @@ import math
 import os
 import statistics
 
-from benchmarks.prompt_transfer_llm import BEGIN, END, _read_json, slug
+from benchmarks.prompt_transfer_llm import BEGIN, END, METHODS, _read_json, slug, target_folder, variant_name
 
 
 def collect(args) -> dict:
@@ -25,13 +25,59 @@ def collect(args) -> dict:
             if z is not None:
                 res["zero"].setdefault(target, []).append(z["acc"])
             for method in args.method_list:
-                r = _read_json(os.path.join(work, "targets", target, str(seed), slug(method) + ".json"))
+                r = _read_json(os.path.join(target_folder(args, target, seed), slug(method) + ".json"))
                 if r is None:
                     res["pending"].append(f"{target} seed {seed} {method}")
                 else:
                     res["runs"].setdefault(method, {}).setdefault(target, []).append(r)
     res["decomposition"] = _read_json(os.path.join(work, "decomposition", "decomposition.json"))
     return res
+
+
+def collect_variants(args) -> dict:
+    """The finished runs at other optimisation settings than ``args``' (sensitivity checks; see
+    :func:`benchmarks.prompt_transfer_llm.variant_name`): ``{variant: {method: {target: [result, ...]}}}``, where
+    ``""`` is the default settings' folder (listed when ``args`` is itself a variant)."""
+    own = variant_name(args)
+    found: dict = {}
+    for target in args.target_list:
+        for seed in args.seed_list:
+            folder = os.path.join(args.work, "targets", target, str(seed))
+            names = [""] + sorted(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d))) \
+                if os.path.isdir(folder) else []
+            for name in names:
+                if name == own:
+                    continue
+                for method in METHODS:
+                    r = _read_json(os.path.join(folder, name, slug(method) + ".json"))
+                    if r is not None:
+                        found.setdefault(name, {}).setdefault(method, {}).setdefault(target, []).append(r)
+    return found
+
+
+def sensitivity(res, variants: dict, args) -> list[str]:
+    """A table of the runs at other settings next to the same method and target at ``args``' settings: does the
+    verdict hinge on the one lr / temperature the main table uses?"""
+    if not variants:
+        return []
+    seeds = len(args.seed_list)
+    lines = ["### Sensitivity checks (other settings, same targets and seeds)", "",
+             (f"Each row is one method on one target at settings other than this page's (lr {args.lr}, attention "
+              f"lr {args.attention_lr}, temperature {args.temperature}), cached apart under "
+              "`targets/<target>/<seed>/<settings>/`; `max attention` is the mean over seeds of the largest source "
+              "weight (1.0 = one-hot)."), "",
+             "| settings | method | target | accuracy | at this page's settings | zero-shot | max attention |",
+             "|---|---|---|---|---|---|---|"]
+    for name in sorted(variants):
+        for method, by_target in variants[name].items():
+            for target, runs in by_target.items():
+                here = [r["acc"] for r in res["runs"].get(method, {}).get(target, [])]
+                zero = res["zero"].get(target, [])
+                att = [max(r["attention"].values()) for r in runs if r.get("attention")]
+                lines.append(f"| {name or 'defaults'} | {method} | {target} | {_cell([r['acc'] for r in runs], seeds)} "
+                             f"| {_cell(here, seeds)} | {_cell(zero, seeds)} | "
+                             f"{f'{statistics.mean(att):.2f}' if att else '—'} |")
+    return lines
 
 
 def _cell(values: list[float], seeds: int) -> str:
@@ -144,6 +190,9 @@ def render(args) -> str:
     found = checks(res, args)
     if found:
         lines += [""] + found
+    other = sensitivity(res, collect_variants(args), args)
+    if other:
+        lines += [""] + other
     pct = res["runs"].get("PCT", {})
     if pct:
         names = sorted({k for runs in pct.values() for r in runs for k in r["attention"]})

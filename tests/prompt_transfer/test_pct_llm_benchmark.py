@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.prompt_transfer_llm import BEGIN, END, METHODS, parse_args, slug, sources_recipe
+from benchmarks.prompt_transfer_llm import (
+    BEGIN,
+    END,
+    METHODS,
+    parse_args,
+    slug,
+    sources_recipe,
+    target_folder,
+    variant_name,
+)
 from benchmarks.prompt_transfer_llm_report import existing_section, render, replace_section, write_report
 from prompt_transfer.source import source_run_config, validate_sources_recipe
 
@@ -127,6 +136,29 @@ def test_report_from_partial_and_complete_caches(tmp_path):
     assert replace_section("a\n" + BEGIN + "old" + END + "\nb", "NEW") == "a\nNEW\nb"
 
 
+def test_sensitivity_runs_are_cached_apart_and_reported_next_to_the_main_ones(tmp_path):
+    work = tmp_path / "work"
+    args = parse_args(["--work", str(work)])
+    _cache(work, dict.fromkeys(METHODS, 0.5), args.target_list, args.seed_list)
+    assert variant_name(args) == "" and "Sensitivity checks" not in render(args)
+    check = parse_args(["--work", str(work), "--lr", "0.003", "--temperature", "1"])
+    assert variant_name(check) == "lr0.003_tau1"
+    assert target_folder(check, "rte", 13) == str(work / "targets" / "rte" / "13" / "lr0.003_tau1")
+    # One seed of PT and two of PCT at the check's settings: the main table is untouched, the check has its rows.
+    cost = {"trainable": 11520, "base_params": 134515008, "cpu_s": 100}
+    for seed, acc in ((13, 0.60), (42, 0.64)):
+        folder = Path(target_folder(check, "rte", seed))
+        folder.mkdir(parents=True)
+        (folder / "pct.json").write_text(json.dumps({"acc": acc, "attention": {"mnli": 0.6, "sst2": 0.4}, **cost}))
+    (Path(target_folder(check, "rte", 13)) / "pt.json").write_text(json.dumps({"acc": 0.7, "attention": {}, **cost}))
+    text = render(args)
+    assert "| PCT | 51.0 ± 1.4 | 51.0 ± 1.4 | 51.0 ± 1.4 | 51.0 ± 1.4 |" in text  # _cache: 0.50 and 0.52
+    assert "| lr0.003_tau1 | PCT | rte | 62.0 ± 2.8 | 51.0 ± 1.4 | 50.0 ± 0.0 | 0.60 |" in text
+    assert "| lr0.003_tau1 | PT | rte | 70.0 (1/2 seeds) | 51.0 ± 1.4 | 50.0 ± 0.0 | — |" in text
+    # Rendered at the check's settings, the default runs are the other settings.
+    assert "| defaults | PCT | rte | 51.0 ± 1.4 | 62.0 ± 2.8 |" in render(check)
+
+
 def test_target_stage_runs_caches_and_resumes_on_tiny_llama(tmp_path, monkeypatch):
     """run_targets on tiny:llama (1 step per method): one JSON per method, SPoT retrieves a source from PT's cached
     prompt, PCT records its attention, and a second call retrains nothing (the cache is the resume point)."""
@@ -157,9 +189,17 @@ def test_target_stage_runs_caches_and_resumes_on_tiny_llama(tmp_path, monkeypatc
     assert set(results["PCT"]["attention"]) == set(prompts) and results["PT"]["attention"] == {}
     assert results["PT"]["trainable"] == 4 * width  # one prompt
     assert results["PCT"]["trainable"] == (1 + 2 + 4) * width  # query + 2 key offsets + residual
-    stamps = {p: os.stat(p).st_mtime_ns for p in folder.iterdir()}
+    stamps = {p: os.stat(p).st_mtime_ns for p in folder.iterdir() if p.is_file()}
     bench.run_targets(args, prompts)
-    assert {p: os.stat(p).st_mtime_ns for p in folder.iterdir()} == stamps  # resumed: nothing retrained
+    assert {p: os.stat(p).st_mtime_ns for p in folder.iterdir() if p.is_file()} == stamps  # resumed: nothing retrained
+    check = bench.parse_args(["--model", "tiny:llama", "--work", str(work), "--sources", "sst2,qqp", "--targets",
+                              "rte", "--seeds", "13", "--steps", "1", "--methods", "PT,SPoT", "--lr", "0.1"])
+    bench.run_targets(check, prompts)
+    assert {p: os.stat(p).st_mtime_ns for p in folder.iterdir() if p.is_file()} == stamps  # the main runs untouched
+    checked = json.loads((folder / "lr0.1" / "pt.json").read_text())
+    assert checked["settings"]["lr"] == 0.1 and results["PT"]["settings"]["lr"] == 0.03
+    assert (folder / "lr0.1" / "pt_prompt.safetensors").is_file()  # SPoT's task embedding at the check's lr
     text = render(args)
+    assert "| lr0.1 | PT | rte |" in text
     assert "rte seed 13" not in text and "source sst2" in text  # targets done; the (uncached) sources pending
     assert f"| PCT | {100 * results['PCT']['acc']:.1f} |" in text
