@@ -7,7 +7,7 @@ import math
 import os
 import statistics
 
-from benchmarks.prompt_transfer_llm import BEGIN, END, METHODS, _read_json, slug, target_folder, variant_name
+from benchmarks.prompt_transfer_llm import BEGIN, END, _read_json, slug, target_folder, variant_name
 
 
 def collect(args) -> dict:
@@ -25,7 +25,7 @@ def collect(args) -> dict:
             if z is not None:
                 res["zero"].setdefault(target, []).append(z["acc"])
             for method in args.method_list:
-                r = _read_json(os.path.join(target_folder(args, target, seed), slug(method) + ".json"))
+                r = _read_json(os.path.join(target_folder(args, target, seed, method), slug(method) + ".json"))
                 if r is None:
                     res["pending"].append(f"{target} seed {seed} {method}")
                 else:
@@ -38,7 +38,6 @@ def collect_variants(args) -> dict:
     """The finished runs at other optimisation settings than ``args``' (sensitivity checks; see
     :func:`benchmarks.prompt_transfer_llm.variant_name`): ``{variant: {method: {target: [result, ...]}}}``, where
     ``""`` is the default settings' folder (listed when ``args`` is itself a variant)."""
-    own = variant_name(args)
     found: dict = {}
     for target in args.target_list:
         for seed in args.seed_list:
@@ -46,9 +45,9 @@ def collect_variants(args) -> dict:
             names = [""] + sorted(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d))) \
                 if os.path.isdir(folder) else []
             for name in names:
-                if name == own:
-                    continue
-                for method in METHODS:
+                for method in args.method_list:
+                    if name == variant_name(args, method):
+                        continue  # this page's own run of the method
                     r = _read_json(os.path.join(folder, name, slug(method) + ".json"))
                     if r is not None:
                         found.setdefault(name, {}).setdefault(method, {}).setdefault(target, []).append(r)
@@ -64,19 +63,19 @@ def sensitivity(res, variants: dict, args) -> list[str]:
     lines = ["### Sensitivity checks (other settings, same targets and seeds)", "",
              (f"Each row is one method on one target at settings other than this page's (lr {args.lr}, attention "
               f"lr {args.attention_lr}, temperature {args.temperature}), cached apart under "
-              "`targets/<target>/<seed>/<settings>/`; `max attention` is the mean over seeds of the largest source "
-              "weight (1.0 = one-hot)."), "",
-             "| settings | method | target | accuracy | at this page's settings | zero-shot | max attention |",
+              "`targets/<target>/<seed>/<settings>/`; `max attention` is each seed's largest source weight "
+              "(1.0 = one-hot, 0.25 = uniform over four sources)."), "",
+             "| settings | method | target | accuracy | at this page's settings | zero-shot | max attention per seed |",
              "|---|---|---|---|---|---|---|"]
     for name in sorted(variants):
         for method, by_target in variants[name].items():
             for target, runs in by_target.items():
                 here = [r["acc"] for r in res["runs"].get(method, {}).get(target, [])]
                 zero = res["zero"].get(target, [])
-                att = [max(r["attention"].values()) for r in runs if r.get("attention")]
+                att = [f"{max(r['attention'].values()):.2f}" for r in runs if r.get("attention")]
                 lines.append(f"| {name or 'defaults'} | {method} | {target} | {_cell([r['acc'] for r in runs], seeds)} "
                              f"| {_cell(here, seeds)} | {_cell(zero, seeds)} | "
-                             f"{f'{statistics.mean(att):.2f}' if att else '—'} |")
+                             f"{' / '.join(att) or '—'} |")
     return lines
 
 

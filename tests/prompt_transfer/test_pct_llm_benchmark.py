@@ -140,21 +140,25 @@ def test_sensitivity_runs_are_cached_apart_and_reported_next_to_the_main_ones(tm
     work = tmp_path / "work"
     args = parse_args(["--work", str(work)])
     _cache(work, dict.fromkeys(METHODS, 0.5), args.target_list, args.seed_list)
-    assert variant_name(args) == "" and "Sensitivity checks" not in render(args)
+    assert variant_name(args, "PCT") == "" and "Sensitivity checks" not in render(args)
     check = parse_args(["--work", str(work), "--lr", "0.003", "--temperature", "1"])
-    assert variant_name(check) == "lr0.003_tau1"
-    assert target_folder(check, "rte", 13) == str(work / "targets" / "rte" / "13" / "lr0.003_tau1")
+    assert variant_name(check, "PCT") == "lr0.003_tau1"
+    assert target_folder(check, "rte", 13, "PCT") == str(work / "targets" / "rte" / "13" / "lr0.003_tau1")
+    # A setting a method ignores keeps its main folder: PT at another temperature is the main PT run, not a rerun.
+    assert variant_name(check, "PT") == variant_name(check, "PCT w/o attention") == "lr0.003"
+    assert variant_name(parse_args(["--temperature", "1"]), "PT") == ""
     # One seed of PT and two of PCT at the check's settings: the main table is untouched, the check has its rows.
     cost = {"trainable": 11520, "base_params": 134515008, "cpu_s": 100}
     for seed, acc in ((13, 0.60), (42, 0.64)):
-        folder = Path(target_folder(check, "rte", seed))
+        folder = Path(target_folder(check, "rte", seed, "PCT"))
         folder.mkdir(parents=True)
         (folder / "pct.json").write_text(json.dumps({"acc": acc, "attention": {"mnli": 0.6, "sst2": 0.4}, **cost}))
-    (Path(target_folder(check, "rte", 13)) / "pt.json").write_text(json.dumps({"acc": 0.7, "attention": {}, **cost}))
+    Path(target_folder(check, "rte", 13, "PT")).mkdir()
+    (Path(target_folder(check, "rte", 13, "PT")) / "pt.json").write_text(json.dumps({"acc": 0.7, "attention": {}, **cost}))
     text = render(args)
     assert "| PCT | 51.0 ± 1.4 | 51.0 ± 1.4 | 51.0 ± 1.4 | 51.0 ± 1.4 |" in text  # _cache: 0.50 and 0.52
-    assert "| lr0.003_tau1 | PCT | rte | 62.0 ± 2.8 | 51.0 ± 1.4 | 50.0 ± 0.0 | 0.60 |" in text
-    assert "| lr0.003_tau1 | PT | rte | 70.0 (1/2 seeds) | 51.0 ± 1.4 | 50.0 ± 0.0 | — |" in text
+    assert "| lr0.003_tau1 | PCT | rte | 62.0 ± 2.8 | 51.0 ± 1.4 | 50.0 ± 0.0 | 0.60 / 0.60 |" in text
+    assert "| lr0.003 | PT | rte | 70.0 (1/2 seeds) | 51.0 ± 1.4 | 50.0 ± 0.0 | — |" in text
     # Rendered at the check's settings, the default runs are the other settings.
     assert "| defaults | PCT | rte | 51.0 ± 1.4 | 62.0 ± 2.8 |" in render(check)
 
@@ -197,8 +201,14 @@ def test_target_stage_runs_caches_and_resumes_on_tiny_llama(tmp_path, monkeypatc
     bench.run_targets(check, prompts)
     assert {p: os.stat(p).st_mtime_ns for p in folder.iterdir() if p.is_file()} == stamps  # the main runs untouched
     checked = json.loads((folder / "lr0.1" / "pt.json").read_text())
-    assert checked["settings"]["lr"] == 0.1 and results["PT"]["settings"]["lr"] == 0.03
+    assert checked["settings"] == {"lr": 0.1} and results["PCT"]["settings"]["temperature"] == 0.1
     assert (folder / "lr0.1" / "pt_prompt.safetensors").is_file()  # SPoT's task embedding at the check's lr
+    # PT ignores the temperature: at another one its main run is the cached run, nothing is trained again.
+    bench.run_targets(bench.parse_args(["--model", "tiny:llama", "--work", str(work), "--sources", "sst2,qqp",
+                                        "--targets", "rte", "--seeds", "13", "--steps", "1", "--methods", "PT",
+                                        "--temperature", "2"]), prompts)
+    assert {p: os.stat(p).st_mtime_ns for p in folder.iterdir() if p.is_file()} == stamps
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == ["lr0.1"]
     text = render(args)
     assert "| lr0.1 | PT | rte |" in text
     assert "rte seed 13" not in text and "source sst2" in text  # targets done; the (uncached) sources pending
