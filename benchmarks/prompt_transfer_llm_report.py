@@ -38,6 +38,7 @@ def collect_variants(args) -> dict:
     """The finished runs at other optimisation settings than ``args``' (sensitivity checks; see
     :func:`benchmarks.prompt_transfer_llm.variant_name`): ``{variant: {method: {target: [result, ...]}}}``, where
     ``""`` is the default settings' folder (listed when ``args`` is itself a variant)."""
+    own = {method: variant_name(args, method) for method in args.method_list}
     found: dict = {}
     for target in args.target_list:
         for seed in args.seed_list:
@@ -46,7 +47,7 @@ def collect_variants(args) -> dict:
                 if os.path.isdir(folder) else []
             for name in names:
                 for method in args.method_list:
-                    if name == variant_name(args, method):
+                    if name == own[method]:
                         continue  # this page's own run of the method
                     r = _read_json(os.path.join(folder, name, slug(method) + ".json"))
                     if r is not None:
