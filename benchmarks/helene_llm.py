@@ -34,7 +34,7 @@ import time
 
 from benchmarks import helene_llm_runs
 from benchmarks.device_args import parse_shard
-from benchmarks.helene_llm_runs import CACHE, MEMORY_MODES, RUNS, RunSpec, execute, load_result
+from benchmarks.helene_llm_runs import CACHE, MEMORY_MODES, REPO, RUNS, RunSpec, execute, load_result
 
 TASKS = ("sst2", "rte")
 SEEDS = (42, 13)
@@ -57,6 +57,12 @@ GRIDS = {
 PRIORITY = ("mezo", "helene", "helene_anneal", "zoadam", "adamw_lora")
 #: Points a sweep may add beyond its grid's edge (see :func:`extension_specs`).
 MAX_EXTENSIONS = 2
+#: The lrs the sweeps selected when they ran (2026-11-30/12-01, CPU, every grid point and extension finished; the
+#: generated table is kept in docs/benchmarks/helene_llm_sweep.md). Their result files sat in the uncommitted
+#: runs/ folder and were lost with it, so these stand in for a sweep whose files are absent: the grid's 300-step
+#: runs then start at once instead of repeating ~2.5 core-hours of sweeps. A sweep whose files are present (rerun,
+#: or on a GPU) always takes precedence.
+PINNED_LR = {"mezo": 1e-4, "helene": 1e-4, "helene_anneal": 1e-5, "zoadam": 1e-3, "adamw_lora": 1e-3}
 
 
 def zero_shot_specs() -> list[RunSpec]:
@@ -129,8 +135,18 @@ def sweep_diverged(method: str) -> bool:
     return all(r is not None and sweep_score(r) == float("inf") for r in results)
 
 
+def sweep_on_record(method: str) -> bool:
+    """Whether ``method``'s lr comes from :data:`PINNED_LR` (no file of its sweep is present) rather than files."""
+    return method in PINNED_LR and all(load_result(s) is None for s in base_sweep_specs(method))
+
+
 def selected_lr(method: str) -> float | None:
-    """The sweep's lr for ``method``, or ``None`` until every point of its sweep (extensions too) has finished."""
+    """The sweep's lr for ``method``, or ``None`` until every point of its sweep (extensions too) has finished.
+
+    With no file of the sweep present, the lr it selected when it ran (:data:`PINNED_LR`).
+    """
+    if sweep_on_record(method):
+        return PINNED_LR[method]
     results = [load_result(s) for s in sweep_specs(method)]
     if any(r is None for r in results):
         return None
@@ -141,18 +157,20 @@ def selected_lr(method: str) -> float | None:
 def queue() -> list[tuple[RunSpec | None, str]]:
     """Every run of the core grid in priority order: ``(spec, "")`` or ``(None, why it cannot start yet)``."""
     items: list[tuple[RunSpec | None, str]] = [(s, "") for s in zero_shot_specs()]
-    for method in PRIORITY:
+    swept = [method for method in PRIORITY if not sweep_on_record(method)]
+    for method in swept:
         items += [(s, "") for s in base_sweep_specs(method)]
     # Edge extensions go after every grid point; they appear while shards are running, so shard_members gives
     # them a shard by optimizer rather than by position.
-    for method in PRIORITY:
+    for method in swept:
         items += [(s, "") for s in extension_specs(method)]
     # One selection per optimizer (each reads its sweep's files), shared by every (seed, task) of the grid.
     chosen = {method: selected_lr(method) for method in PRIORITY}
     waiting = {method: "every point of its lr sweep diverged (widen GRIDS downwards)" if sweep_diverged(method)
                else "waits for its lr sweep" for method in PRIORITY if chosen[method] is None}
-    for seed in SEEDS:
-        for task in TASKS:
+    # Task-major: SST-2's runs are a third of RTE's cost, so a partial grid completes one task's seeds first.
+    for task in TASKS:
+        for seed in SEEDS:
             for method in PRIORITY:
                 if chosen[method] is None:
                     items.append((None, f"{task} seed {seed} {method}: {waiting[method]}"))
@@ -249,7 +267,7 @@ def run_queue(limit: int | None, phase: str = "all", shard: tuple[int, int] = (0
 
 def _subprocess(args: list[str]) -> None:
     # The repo first, then whatever the caller had on the path (a GPU machine's wheels, say).
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CACHE.parents[1]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
                                                                      os.environ.get("PYTHONPATH")]))}
     subprocess.run([sys.executable, "-m", "benchmarks.helene_llm_runs", *args, "--device", helene_llm_runs.DEVICE],
                    check=True, env=env)

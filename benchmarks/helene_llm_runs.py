@@ -29,8 +29,12 @@ from peftplug.fileio import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
-CACHE = REPO / "runs" / "helene_llm"
+#: Results are committed (small JSONs): runs/ is scratch that a fresh checkout does not have, and the grid spans
+#: sessions -- a cache kept there was lost once with every sweep in it (see ``PINNED_LR`` in helene_llm.py).
+CACHE = REPO / "benchmarks" / "results" / "helene_llm"
 RUNS = CACHE / "runs"
+#: Lightning's own logs and checkpoints: scratch, never committed.
+SCRATCH = REPO / "runs" / "helene_llm"
 DATA_DIR = Path(os.environ.get("PEFTPLUG_DATA_DIR", REPO.parent / "shared" / "data"))
 #: Where runs execute: "cpu" (this machine) or "cuda" (a lent GPU). Not part of a run's identity -- the protocol is
 #: the same -- but recorded in every result (``device``), since the z draws (and so the numbers) differ by device.
@@ -247,7 +251,7 @@ def _trainer(spec: RunSpec, callbacks: list):
         **lightning_device(DEVICE), max_steps=max(spec.steps, 1), logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         val_check_interval=spec.eval_every, check_val_every_n_epoch=None, callbacks=callbacks,
-        default_root_dir=str(CACHE / "lightning"),
+        default_root_dir=str(SCRATCH / "lightning"),
     )
 
 
@@ -305,7 +309,7 @@ def measure_memory(mode: str, steps: int = 3) -> dict:
     data.setup()
     trainer = L.Trainer(**lightning_device(DEVICE), max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, limit_test_batches=2, default_root_dir=str(CACHE / "lightning"))
+                        limit_val_batches=0, limit_test_batches=2, default_root_dir=str(SCRATCH / "lightning"))
     if mode == "inference":
         trainer.test(module, datamodule=data, verbose=False)
     else:
