@@ -15,8 +15,8 @@ The lr of each optimizer comes from a 60-step sweep of 3 values on SST-2 seed 42
 the last 20 steps, non-finite runs excluded), extended a decade at a time (at most twice) while the best point sits
 on the grid's edge; RTE uses the SST-2 choice.
 
-Every run is cached as one JSON under ``runs/helene_llm/runs/`` (see :mod:`benchmarks.helene_llm_runs`); ``run``
-skips finished runs, so an interrupted queue resumes where it stopped (a run cut short starts again). The page
+Every run is cached as one JSON under ``benchmarks/results/helene_llm/runs/`` (committed, since the grid spans
+sessions; see :mod:`benchmarks.helene_llm_runs`); ``run`` skips finished runs, so an interrupted queue resumes where it stopped (a run cut short starts again). The page
 says exactly which runs finished and lists the rest. Run it with one thread per process on a shared machine::
 
     OMP_NUM_THREADS=1 setsid nohup .venv/bin/python -m benchmarks.helene_llm run > runs/helene_llm/queue.log 2>&1 &

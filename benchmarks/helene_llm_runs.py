@@ -1,7 +1,7 @@
 """One run of the SmolLM2 prompt-classification benchmark (zero-shot, zeroth-order or AdamW), cached on disk.
 
-A run is a :class:`RunSpec`; its result is one JSON file ``runs/helene_llm/runs/<run_id>.json`` written atomically
-when the run has finished (an interrupted run leaves nothing and is simply started again). The JSON records the
+A run is a :class:`RunSpec`; its result is one JSON file ``benchmarks/results/helene_llm/runs/<run_id>.json``
+(committed), written atomically when the run has finished (an interrupted run leaves nothing and is simply started again). The JSON records the
 exact settings, the git commit, per-step training loss and timings, validation curves and the final test
 accuracy. Training goes through :class:`peftplug.lightning.PeftModule` with ``task="prompt_cls"`` and Lightning
 (manual optimization for the zeroth-order optimizers).

@@ -16,8 +16,18 @@ from benchmarks.device_args import lightning_device, parse_shard
 
 @pytest.fixture
 def runs_dir(tmp_path, monkeypatch):
+    """An empty result cache, with no lr on record: every optimizer needs its sweep."""
     monkeypatch.setattr(helene_llm_runs, "RUNS", tmp_path)
+    monkeypatch.setattr(helene_llm, "PINNED_LR", {})
     return tmp_path
+
+
+@pytest.fixture
+def pinned(runs_dir, monkeypatch):
+    """An empty cache with an lr on record for every optimizer (a sweep whose files were lost)."""
+    lrs = {m: helene_llm.GRIDS[m][0] for m in helene_llm.PRIORITY}
+    monkeypatch.setattr(helene_llm, "PINNED_LR", lrs)
+    return lrs
 
 
 def _finish(spec, losses):
@@ -42,6 +52,30 @@ def test_first_phase_is_zero_shot_and_every_sweep_and_main_waits_for_the_sweeps(
     assert len(main) == len(helene_llm.TASKS) * len(helene_llm.SEEDS) * len(methods)
     assert all(s.steps == helene_llm.MAIN_STEPS and s.lr == helene_llm.GRIDS[s.method][1] for s in main)
     assert {s.task for s in main} == set(helene_llm.TASKS)
+
+
+def test_an_lr_on_record_skips_its_sweep_and_the_grid_runs_task_major(pinned):
+    assert [s.method for s in helene_llm.phase_specs("first")] == ["zeroshot"] * (len(helene_llm.TASKS) + 1)
+    main = helene_llm.phase_specs("main")
+    assert all(s.lr == pinned[s.method] for s in main)
+    per_task = len(helene_llm.SEEDS) * len(helene_llm.PRIORITY)
+    # Every run of the first task (both seeds) comes before any of the second: a partial grid completes a task.
+    assert [s.task for s in main] == [t for t in helene_llm.TASKS for _ in range(per_task)]
+    assert [s.split_seed for s in main[:per_task]] == [seed for seed in helene_llm.SEEDS
+                                                      for _ in helene_llm.PRIORITY]
+
+
+def test_a_sweep_whose_files_are_present_takes_over_from_the_lr_on_record(pinned):
+    specs = helene_llm.base_sweep_specs("mezo")
+    _finish(specs[0], [2.0] * 20)
+    # Part of the sweep is back: its own selection applies, and waits for the rest of it.
+    assert helene_llm.selected_lr("mezo") is None
+    assert {s.method for s in helene_llm.phase_specs("main")} == set(helene_llm.PRIORITY) - {"mezo"}
+    assert set(specs[1:]) <= set(helene_llm.phase_specs("first"))
+    _finish(specs[1], [1.0] * 20)
+    _finish(specs[2], [3.0] * 20)
+    assert helene_llm.selected_lr("mezo") == specs[1].lr != pinned["mezo"]
+    assert helene_llm.selected_lr("helene") == pinned["helene"]
 
 
 def test_a_non_finite_sweep_point_is_never_selected(runs_dir):

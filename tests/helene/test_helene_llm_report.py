@@ -20,6 +20,7 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setattr(helene_llm_runs, "RUNS", runs)
     monkeypatch.setattr(helene_llm_report, "CACHE", tmp_path)
     monkeypatch.setattr(helene_llm_report, "DOC", tmp_path / "helene_llm.md")
+    monkeypatch.setattr(helene_llm, "PINNED_LR", {})
     return tmp_path
 
 
@@ -79,3 +80,14 @@ def test_core_grid_table_from_finished_runs(cache):
     assert "![curves](helene_llm_curves.png)" in text and (cache / "helene_llm_curves.png").stat().st_size > 0
     assert f"| MeZO (ZO-SGD) | {helene_llm.GRIDS['mezo'][-1] * 10:g} |" in text  # the extension is in the table
     assert "- `rte_k16_s42_mezo_plain_L128" in text  # RTE has not run: listed, not reported
+
+
+def test_an_lr_on_record_is_shown_as_such_and_links_the_sweep_record(cache, monkeypatch):
+    monkeypatch.setattr(helene_llm, "PINNED_LR", {"mezo": 1e-4})
+    text = helene_llm_report.write_report(helene_llm.queue()).read_text()
+    assert "| MeZO (ZO-SGD) | 0.0001 | [on record](helene_llm_sweep.md) | | | | **yes** |" in text
+    assert "lost with the uncommitted `runs/` folder" in text
+    # The other optimizers still list their (unrun) sweep points; the grid waits only for them.
+    assert "| HELENE | 1e-07 | not run yet |" in text
+    assert "- sst2 seed 42 helene: waits for its lr sweep" in text
+    assert "sst2_k16_s42_mezo_plain_lr0.0001_n300_b16_t872_main" in text
