@@ -275,6 +275,11 @@ def _subprocess(args: list[str]) -> None:
 
 def memory() -> None:
     """Peak RSS of each mode in a fresh process (the peak is per process)."""
+    from peftplug.loading import resolve_model_path
+
+    # A fresh checkout converts the packaged GGUF on first load, which would land in the first mode's peak (it
+    # once put inference at 1.5x its steady value): convert here, outside every measured process.
+    resolve_model_path(helene_llm_runs.MODEL)
     for mode in MEMORY_MODES:
         print(f"memory: {mode}", flush=True)
         _subprocess(["--memory", mode, "--out", str(CACHE / helene_llm_runs.measurement_file("memory", mode))])
