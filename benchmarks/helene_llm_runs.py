@@ -322,7 +322,7 @@ def measure_memory(mode: str, steps: int = 3) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- speed
-def measure_speed(batches=(8, 16, 32, 64), length: int = 48, steps: int = 3) -> dict:
+def measure_speed(batches=(8, 16, 32, 64, 128), length: int = 48, steps: int = 3) -> dict:
     """ZO step breakdown on SmolLM2 full parameters: forward time vs perturbation/update time per step.
 
     Random token ids, ``length`` tokens, no padding (timing does not depend on content). For each method at batch
