@@ -221,3 +221,16 @@ def test_a_sweep_that_diverged_everywhere_says_so(runs_dir):
     assert helene_llm.selected_lr("zoadam") is None and helene_llm.sweep_diverged("zoadam")
     reasons = [why for spec, why in helene_llm.queue() if spec is None and " zoadam:" in why]
     assert reasons and all("every point of its lr sweep diverged" in why for why in reasons)
+
+
+def test_the_result_cache_is_not_git_ignored():
+    """The grid spans sessions and only committed files survive one: a result file must not be ignored."""
+    import shutil
+    import subprocess
+
+    repo = helene_llm_runs.REPO
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    probe = helene_llm_runs.RUNS.relative_to(repo) / "a_run.json"
+    done = subprocess.run(["git", "check-ignore", "-q", str(probe)], cwd=repo, check=False)
+    assert done.returncode == 1, f"{probe} is git-ignored (see .gitignore)"
