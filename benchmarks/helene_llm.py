@@ -169,9 +169,11 @@ def queue() -> list[tuple[RunSpec | None, str]]:
     waiting = {method: "every point of its lr sweep diverged (widen GRIDS downwards)" if sweep_diverged(method)
                else "waits for its lr sweep" for method in PRIORITY if chosen[method] is None}
     # Task-major: SST-2's runs are a third of RTE's cost, so a partial grid completes one task's seeds first.
+    # Within a task optimizer-major: a task cut short still has both seeds (a mean ± std) of the optimizers first in
+    # PRIORITY -- MeZO and HELENE, the two the accuracy target names.
     for task in TASKS:
-        for seed in SEEDS:
-            for method in PRIORITY:
+        for method in PRIORITY:
+            for seed in SEEDS:
                 if chosen[method] is None:
                     items.append((None, f"{task} seed {seed} {method}: {waiting[method]}"))
                 else:

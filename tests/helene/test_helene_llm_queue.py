@@ -54,15 +54,16 @@ def test_first_phase_is_zero_shot_and_every_sweep_and_main_waits_for_the_sweeps(
     assert {s.task for s in main} == set(helene_llm.TASKS)
 
 
-def test_an_lr_on_record_skips_its_sweep_and_the_grid_runs_task_major(pinned):
+def test_an_lr_on_record_skips_its_sweep_and_the_grid_runs_task_then_optimizer_major(pinned):
     assert [s.method for s in helene_llm.phase_specs("first")] == ["zeroshot"] * (len(helene_llm.TASKS) + 1)
     main = helene_llm.phase_specs("main")
     assert all(s.lr == pinned[s.method] for s in main)
     per_task = len(helene_llm.SEEDS) * len(helene_llm.PRIORITY)
     # Every run of the first task (both seeds) comes before any of the second: a partial grid completes a task.
     assert [s.task for s in main] == [t for t in helene_llm.TASKS for _ in range(per_task)]
-    assert [s.split_seed for s in main[:per_task]] == [seed for seed in helene_llm.SEEDS
-                                                      for _ in helene_llm.PRIORITY]
+    # Within a task, both seeds of one optimizer before the next: a partial task gives MeZO's and HELENE's std.
+    assert [(s.method, s.split_seed) for s in main[:per_task]] == [(m, seed) for m in helene_llm.PRIORITY
+                                                                  for seed in helene_llm.SEEDS]
 
 
 def test_a_sweep_whose_files_are_present_takes_over_from_the_lr_on_record(pinned):
