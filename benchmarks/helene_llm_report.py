@@ -7,6 +7,8 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks import helene_llm_runs
+from benchmarks.helene_llm_journal import partial_path
 from benchmarks.helene_llm_runs import CACHE, MEMORY_MODES, RUNS, RunSpec, load_result
 
 REPO = Path(__file__).resolve().parents[1]
@@ -185,6 +187,15 @@ def _plot(main: dict[tuple[str, int, str], dict], zero: dict[str, dict], path: P
     return True
 
 
+def _progress(spec: RunSpec) -> str:
+    """`` — step N of M on record`` for a run stopped mid-way whose journal is on disk, else ``""``."""
+    path = partial_path(helene_llm_runs.PARTIAL, spec.run_id)
+    if not path.is_file():
+        return ""
+    steps = len(json.loads(path.read_text()).get("steps", []))
+    return f" — stopped at step {steps} of {spec.steps}; its journal resumes it"
+
+
 def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
     """Writes the page from the queue's finished runs and lists the rest.
 
@@ -331,13 +342,13 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
             tokens = statistics.median(s["tokens"] for s in r["steps"])
             lines.append(f"| {run_id} | {tokens:.0f} ({16} × {width:.0f} padded) | {_fmt(share and 100 * share, 1)}% |")
 
-    missing = [spec.run_id for spec, _ in queue if spec is not None and spec.run_id not in finished]
+    missing = [spec for spec, _ in queue if spec is not None and spec.run_id not in finished]
     blocked = [why for spec, why in queue if spec is None]
     lines += ["", "## What has not run yet", ""]
     if not missing and not blocked:
         lines.append("Nothing: the core grid is complete.")
-    lines += [f"- `{m}`" for m in missing] + [f"- {b}" for b in blocked]
-    lines += ["", "Resume (skips finished runs):", "",
+    lines += [f"- `{spec.run_id}`{_progress(spec)}" for spec in missing] + [f"- {b}" for b in blocked]
+    lines += ["", "Resume (skips finished runs; a run with a journal replays it and goes on):", "",
               ("    OMP_NUM_THREADS=1 setsid nohup .venv/bin/python -m benchmarks.helene_llm run "
               "> runs/helene_llm/queue.log 2>&1 &"), ""]
     lines += ["Grids: " + "; ".join(f"{NAMES[m]} {', '.join(f'{v:g}' for v in GRIDS[m])}" for m in PRIORITY)

@@ -1,9 +1,10 @@
 """One run of the SmolLM2 prompt-classification benchmark (zero-shot, zeroth-order or AdamW), cached on disk.
 
 A run is a :class:`RunSpec`; its result is one JSON file ``benchmarks/results/helene_llm/runs/<run_id>.json``
-(committed), written atomically when the run has finished (an interrupted run leaves nothing and is simply started again). The JSON records the
-exact settings, the git commit, per-step training loss and timings, validation curves and the final test
-accuracy. Training goes through :class:`peftplug.lightning.PeftModule` with ``task="prompt_cls"`` and Lightning
+(committed), written atomically when the run has finished. The JSON records the exact settings, the git commit the
+run started at, per-step training loss and timings, validation curves and the final test accuracy. An interrupted
+zeroth-order run resumes from its journal (``partial/<run_id>.json``, see :mod:`benchmarks.helene_llm_journal`);
+any other interrupted run starts again. Training goes through :class:`peftplug.lightning.PeftModule` with ``task="prompt_cls"`` and Lightning
 (manual optimization for the zeroth-order optimizers).
 
 Also: peak-RSS measurements (``--memory MODE``, one fresh process per mode, because the peak is per process) and
@@ -25,6 +26,14 @@ from pathlib import Path
 import torch
 
 from benchmarks.device_args import lightning_device, resolve_device, to_device
+from benchmarks.helene_llm_journal import (
+    FLUSH_EVERY,
+    ReplayMismatch,
+    journaled,
+    load_partial,
+    partial_path,
+    same_point,
+)
 from peftplug.fileio import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,6 +42,8 @@ MODEL = "smollm2-135m-instruct"
 #: sessions -- a cache kept there was lost once with every sweep in it (see ``PINNED_LR`` in helene_llm.py).
 CACHE = REPO / "benchmarks" / "results" / "helene_llm"
 RUNS = CACHE / "runs"
+#: Journals of unfinished zeroth-order runs (committed at a stop, so the next session resumes them).
+PARTIAL = CACHE / "partial"
 #: Lightning's own logs and checkpoints: scratch, never committed.
 SCRATCH = REPO / "runs" / "helene_llm"
 DATA_DIR = Path(os.environ.get("PEFTPLUG_DATA_DIR", REPO.parent / "shared" / "data"))
@@ -155,28 +166,37 @@ def cuda_memory() -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- building
-def optimizer_factory(spec: RunSpec):
-    """The optimizer callable PeftModule calls with the trainable (name, parameter) pairs."""
+def optimizer_factory(spec: RunSpec, journal: list[list[float]] | None = None):
+    """The optimizer callable PeftModule calls with the trainable (name, parameter) pairs.
+
+    Args:
+        spec: The run.
+        journal: For a zeroth-order run, the closure values per step so far; the optimizer replays them and
+            appends the new ones (:func:`benchmarks.helene_llm_journal.journaled`). ``None``: no journal.
+    """
     from helene import ZOSGD, Helene, ZOAdam
+
+    def zo(cls):
+        return cls if journal is None else journaled(cls, journal)
 
     seed = spec.split_seed
     if spec.method == "mezo":
-        return partial(ZOSGD, lr=spec.lr, eps=spec.eps, seed=seed)
+        return partial(zo(ZOSGD), lr=spec.lr, eps=spec.eps, seed=seed)
     if spec.method == "zoadam":
-        return partial(ZOAdam, lr=spec.lr, eps=spec.eps, seed=seed)
+        return partial(zo(ZOAdam), lr=spec.lr, eps=spec.eps, seed=seed)
     if spec.method in ("helene", "helene_anneal"):
         # Defaults of helene.Helene (β 0.9/0.99, γ 1, λ 1 per tensor, k 10, T = 10% of the run), A-GNB scaled by
         # the batch size; the ablation only swaps the estimator.
         hessian = "agnb" if spec.method == "helene" else "none"
-        return partial(Helene, lr=spec.lr, eps=spec.eps, layerwise="tensor", batch_size=spec.batch_size,
+        return partial(zo(Helene), lr=spec.lr, eps=spec.eps, layerwise="tensor", batch_size=spec.batch_size,
                        hessian=hessian, seed=seed)
     if spec.method == "adamw_lora":
         return partial(torch.optim.AdamW, lr=spec.lr, weight_decay=0.0)
     raise ValueError(f"no optimizer for method {spec.method!r}")
 
 
-def build(spec: RunSpec):
-    """(PeftModule, PromptClassificationData) of a run."""
+def build(spec: RunSpec, journal: list[list[float]] | None = None):
+    """(PeftModule, PromptClassificationData) of a run (``journal``: see :func:`optimizer_factory`)."""
     from peftplug.lightning import PeftModule
     from peftplug.prompt_cls import PromptClassificationData
 
@@ -184,7 +204,7 @@ def build(spec: RunSpec):
     peft = None
     if spec.method == "adamw_lora":
         peft = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": LORA_TARGETS}
-    optimizer = None if spec.method == "zeroshot" else optimizer_factory(spec)
+    optimizer = None if spec.method == "zeroshot" else optimizer_factory(spec, journal)
     module = PeftModule(MODEL, task="prompt_cls", peft=peft, optimizer=optimizer)
     data = PromptClassificationData(spec.task, data_dir=str(DATA_DIR), k=spec.k, split_seed=spec.split_seed,
                                     format=spec.fmt, max_test=spec.max_test, max_length=spec.max_length,
@@ -195,16 +215,24 @@ def build(spec: RunSpec):
 
 
 class _Recorder:
-    """Lightning callback: per-step loss and wall time, decoder-forward time, validation points."""
+    """Lightning callback: per-step loss and wall time, decoder-forward time, validation points.
 
-    def __init__(self, module) -> None:
+    Args:
+        module: The PeftModule being trained.
+        resumed: The journal being replayed (its ``steps`` and ``val`` rows stand for the replayed steps, whose
+            own timings are a replay's), or ``None``.
+        flush: Called after every :data:`FLUSH_EVERY`-th new step (writes the journal).
+    """
+
+    def __init__(self, module, resumed: dict | None = None, flush=None) -> None:
         import lightning as L
 
         class Callback(L.Callback):
             pass
 
-        self.steps: list[dict] = []
-        self.val: list[dict] = []
+        self.steps: list[dict] = list(resumed["steps"]) if resumed else []
+        self.val: list[dict] = list(resumed["val"]) if resumed else []
+        self.replayed = len(self.steps)
         self._t0 = 0.0
         self._fwd = 0.0
         recorder = self
@@ -224,19 +252,29 @@ class _Recorder:
             recorder._t0 = time.perf_counter()
 
         def on_train_batch_end(cb, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step <= recorder.replayed:
+                return  # a replayed step: its row is on record
             loss = trainer.callback_metrics.get("train_loss")
             recorder.steps.append({
                 "step": trainer.global_step, "loss": None if loss is None else float(loss),
                 "time": time.perf_counter() - recorder._t0, "forward_time": recorder._fwd,
                 "tokens": int(batch["attention_mask"].sum()), "width": int(batch["input_ids"].shape[1]),
             })
+            if flush is not None and trainer.global_step % FLUSH_EVERY == 0:
+                flush()
 
         def on_validation_end(cb, trainer, pl_module):
             # After the module's epoch-end hook has logged val_acc (callback epoch-end hooks run before it).
             m = trainer.callback_metrics
-            if "val_acc" in m:
-                recorder.val.append({"step": trainer.global_step, "acc": float(m["val_acc"]),
-                                     "loss": float(m["val_loss"])})
+            if "val_acc" not in m:
+                return
+            point = {"step": trainer.global_step, "acc": float(m["val_acc"]), "loss": float(m["val_loss"])}
+            on_record = [v for v in recorder.val if v["step"] == point["step"]]
+            if not on_record:
+                recorder.val.append(point)
+            elif not same_point(on_record[0], point):
+                raise ReplayMismatch(f"validation at step {point['step']}: replayed {point}, on record "
+                                     f"{on_record[0]}")
 
         Callback.on_train_batch_start = on_train_batch_start
         Callback.on_train_batch_end = on_train_batch_end
@@ -256,24 +294,56 @@ def _trainer(spec: RunSpec, callbacks: list):
 
 
 def execute(spec: RunSpec) -> dict:
-    """Runs ``spec`` and writes its result JSON (returns it)."""
+    """Runs ``spec`` and writes its result JSON (returns it).
+
+    A zeroth-order run with a journal on disk (an earlier process was stopped mid-run) replays it and goes on
+    from where it stopped; a replay that does not reproduce its validation points starts the run over.
+    """
+    path = partial_path(PARTIAL, spec.run_id)
+    resumed = load_partial(path, asdict(spec)) if spec.method in ZO_METHODS else None
+    if resumed is not None:
+        print(f"resuming {spec.run_id} at step {len(resumed['steps'])} (replaying its journal)", flush=True)
+    try:
+        return _execute(spec, resumed)
+    except ReplayMismatch as err:
+        print(f"replay of {spec.run_id} failed ({err}): starting it over", flush=True)
+        path.unlink(missing_ok=True)
+        return _execute(spec, None)
+
+
+def _execute(spec: RunSpec, resumed: dict | None) -> dict:
     import lightning as L
 
     L.seed_everything(spec.split_seed, verbose=False)
     started = time.time()
-    module, data = build(spec)
+    # The code the run executes is the code at its start (a commit made while it runs is not in it).
+    segment = {"commit": _git_commit(), "from_step": len(resumed["steps"]) if resumed else 0}
+    segments = (resumed["segments"] if resumed else []) + [segment]
+    journal = list(resumed["journal"]) if resumed else ([] if spec.method in ZO_METHODS else None)
+    path = partial_path(PARTIAL, spec.run_id)
+    module, data = build(spec, journal)
     data.setup()
-    recorder = _Recorder(module)
+
+    def flush() -> None:
+        if len(journal) != len(recorder.steps):  # they grow together; a mismatch would resume wrongly
+            return
+        segment["seconds"] = time.time() - started
+        _write_json(path, {"spec": asdict(spec), "run_id": spec.run_id, "segments": segments,
+                           "journal": journal, "steps": recorder.steps, "val": recorder.val})
+
+    recorder = _Recorder(module, resumed, flush if journal is not None else None)
     trainer = _trainer(spec, [recorder.callback])
     trainer.validate(module, datamodule=data, verbose=False)  # step-0 point of the curve
     if spec.steps > 0:
         trainer.fit(module, datamodule=data)
     [test] = trainer.test(module, datamodule=data, verbose=False)
+    segment["seconds"] = time.time() - started
     opt = trainer.optimizers[0] if trainer.optimizers else None
     result = {
-        "spec": asdict(spec), "run_id": spec.run_id, "commit": _git_commit(), "model": MODEL,
-        "threads": torch.get_num_threads(), "device": device_name(), "started": started,
-        "seconds": time.time() - started,
+        "spec": asdict(spec), "run_id": spec.run_id, "commit": segments[0]["commit"], "model": MODEL,
+        "threads": torch.get_num_threads(), "device": device_name(),
+        "started": started - sum(s["seconds"] for s in segments[:-1]),
+        "seconds": sum(s["seconds"] for s in segments),
         "test_acc": test["test_acc"], "test_loss": test["test_loss"], "n_test": len(data.splits["test"]),
         "label_words": list(data.words), "label_word_ids": data.label_word_ids, "template": data.template,
         "token_lengths": data.token_lengths(), "steps": recorder.steps, "val": recorder.val,
@@ -283,7 +353,11 @@ def execute(spec: RunSpec) -> dict:
         "trainable": sum(p.numel() for p in module.model.parameters() if p.requires_grad),
         "peak_rss_mib": peak_rss_mib(), "loadavg": os.getloadavg(), **cuda_memory(),
     }
+    if len(segments) > 1:
+        # Resumed: each process's commit, first step and seconds (a replay's seconds are perturbation passes).
+        result["segments"] = segments
     _write_json(result_path(spec), result)
+    path.unlink(missing_ok=True)
     return result
 
 

@@ -18,6 +18,7 @@ def cache(tmp_path, monkeypatch):
     runs = tmp_path / "runs"
     runs.mkdir()
     monkeypatch.setattr(helene_llm_runs, "RUNS", runs)
+    monkeypatch.setattr(helene_llm_runs, "PARTIAL", tmp_path / "partial")
     monkeypatch.setattr(helene_llm_report, "CACHE", tmp_path)
     monkeypatch.setattr(helene_llm_report, "DOC", tmp_path / "helene_llm.md")
     monkeypatch.setattr(helene_llm, "PINNED_LR", {})
@@ -96,3 +97,14 @@ def test_an_lr_on_record_is_shown_as_such_and_links_the_sweep_record(cache, monk
     assert "| HELENE | 1e-07 | not run yet |" in text
     assert "- sst2 seed 42 helene: waits for its lr sweep" in text
     assert "sst2_k16_s42_mezo_plain_lr0.0001_n300_b16_t872_main" in text
+
+
+def test_a_run_stopped_mid_way_is_listed_with_the_step_its_journal_holds(cache, monkeypatch):
+    monkeypatch.setattr(helene_llm, "PINNED_LR", {m: 1e-4 for m in helene_llm.PRIORITY})
+    first, second = helene_llm.phase_specs("main")[:2]
+    path = helene_llm_runs.partial_path(helene_llm_runs.PARTIAL, first.run_id)
+    path.parent.mkdir()
+    path.write_text(json.dumps({"spec": asdict(first), "journal": [[1.0, 0.9]] * 40, "steps": [{}] * 40}))
+    text = helene_llm_report.write_report(helene_llm.queue()).read_text()
+    assert f"- `{first.run_id}` — stopped at step 40 of 300; its journal resumes it" in text
+    assert f"- `{second.run_id}`\n" in text

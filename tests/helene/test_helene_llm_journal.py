@@ -1,0 +1,112 @@
+"""An interrupted zeroth-order benchmark run resumes from its journal and ends exactly where an uninterrupted run
+ends: same per-step losses, validation points and test numbers, bit for bit (tiny Llama on the real RTE k-shot
+split, one-character label words for its char tokenizer)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import helene_llm_runs
+from benchmarks.helene_llm_runs import RunSpec, execute, result_path
+
+
+class Interrupted(Exception):
+    """Stands for the process being stopped right after a journal write."""
+
+
+@pytest.fixture
+def tiny_bench(tmp_path, monkeypatch, data_dir):
+    from peftplug import prompt_cls
+
+    monkeypatch.setattr(helene_llm_runs, "MODEL", "tiny:llama")
+    monkeypatch.setattr(helene_llm_runs, "DATA_DIR", data_dir)
+    monkeypatch.setattr(helene_llm_runs, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(helene_llm_runs, "PARTIAL", tmp_path / "partial")
+    monkeypatch.setattr(helene_llm_runs, "SCRATCH", tmp_path / "scratch")
+    monkeypatch.setattr(helene_llm_runs, "FLUSH_EVERY", 2)
+    base = prompt_cls.PromptClassificationData
+
+    class OneCharWords(base):
+        def __init__(self, task, **kwargs):
+            super().__init__(task, template="{premise}|{hypothesis}?{answer}", label_words=["y", "n"], **kwargs)
+
+    monkeypatch.setattr(prompt_cls, "PromptClassificationData", OneCharWords)
+    return tmp_path
+
+
+def _spec(method: str) -> RunSpec:
+    return RunSpec("rte", 13, method, lr=1e-2, steps=6, eval_every=2, batch_size=4, max_test=8, max_length=256)
+
+
+def _stop_after_journal_write(monkeypatch, steps: int) -> None:
+    write = helene_llm_runs._write_json
+
+    def write_then_stop(path, data):
+        write(path, data)
+        if path.parent == helene_llm_runs.PARTIAL and len(data["journal"]) == steps:
+            raise Interrupted
+
+    monkeypatch.setattr(helene_llm_runs, "_write_json", write_then_stop)
+
+
+def _same_run(a: dict, b: dict) -> None:
+    assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]]
+    assert a["val"] == b["val"]
+    assert (a["test_acc"], a["test_loss"], a["nonfinite_steps"]) == (b["test_acc"], b["test_loss"],
+                                                                      b["nonfinite_steps"])
+
+
+@pytest.mark.parametrize("method", ["mezo", "helene"])
+def test_an_interrupted_run_resumes_from_its_journal_bit_for_bit(tiny_bench, monkeypatch, method):
+    spec = _spec(method)
+    whole = execute(spec)
+    assert len(whole["steps"]) == 6 and "segments" not in whole
+    assert not helene_llm_runs.partial_path(helene_llm_runs.PARTIAL, spec.run_id).exists()
+    result_path(spec).unlink()
+
+    with monkeypatch.context() as m:
+        _stop_after_journal_write(m, steps=4)
+        with pytest.raises(Interrupted):
+            execute(spec)
+    journal = json.loads(helene_llm_runs.partial_path(helene_llm_runs.PARTIAL, spec.run_id).read_text())
+    assert len(journal["journal"]) == len(journal["steps"]) == 4 and not result_path(spec).exists()
+    assert all(len(values) == 2 for values in journal["journal"])  # L+ and L− per step
+
+    resumed = execute(spec)
+    _same_run(resumed, whole)
+    assert [s["from_step"] for s in resumed["segments"]] == [0, 4]
+    assert not helene_llm_runs.partial_path(helene_llm_runs.PARTIAL, spec.run_id).exists()
+
+
+def test_a_journal_that_does_not_replay_is_dropped_and_the_run_starts_over(tiny_bench, monkeypatch):
+    spec = _spec("mezo")
+    whole = execute(spec)
+    result_path(spec).unlink()
+    with monkeypatch.context() as m:
+        _stop_after_journal_write(m, steps=4)
+        with pytest.raises(Interrupted):
+            execute(spec)
+    path = helene_llm_runs.partial_path(helene_llm_runs.PARTIAL, spec.run_id)
+    journal = json.loads(path.read_text())
+    journal["journal"][0][0] += 1.0  # a different L+ at step 1: the replayed step-2 validation cannot match
+    path.write_text(json.dumps(journal))
+
+    again = execute(spec)
+    _same_run(again, whole)
+    assert "segments" not in again and not path.exists()
+
+
+def test_a_journal_of_other_settings_is_not_replayed(tiny_bench, monkeypatch):
+    spec = _spec("mezo")
+    with monkeypatch.context() as m:
+        _stop_after_journal_write(m, steps=2)
+        with pytest.raises(Interrupted):
+            execute(spec)
+    path = helene_llm_runs.partial_path(helene_llm_runs.PARTIAL, spec.run_id)
+    journal = json.loads(path.read_text())
+    journal["spec"]["lr"] = 1e-3
+    path.write_text(json.dumps(journal))
+    assert helene_llm_runs.load_partial(path, {**journal["spec"], "lr": spec.lr}) is None
+    assert "segments" not in execute(spec)
