@@ -72,17 +72,19 @@ def partial_path(partial_dir: Path, run_id: str) -> Path:
     return partial_dir / f"{run_id}.json"
 
 
-def load_partial(path: Path, spec: dict) -> dict | None:
-    """The journal at ``path`` if it belongs to a run with exactly these settings, else ``None``.
+def load_partial(path: Path, spec: dict, device: str) -> dict | None:
+    """The journal at ``path`` if it belongs to a run with exactly these settings on this device, else ``None``.
 
     Args:
         path: A :func:`partial_path`.
         spec: The run's settings (``dataclasses.asdict`` of its RunSpec).
+        device: ``cpu`` or ``cuda``: z is drawn by that device's generator, so a journal replays only there.
     """
     if not path.is_file():
         return None
     data = json.loads(path.read_text())
-    if data.get("spec") != spec:
+    # Journals written before the field existed (commit e4ca7ea, 2026-12-01) all came from CPU processes.
+    if data.get("spec") != spec or data.get("device", "cpu") != device:
         return None
     steps, journal = data.get("steps", []), data.get("journal", [])
     if len(steps) != len(journal):  # written together, so this is a damaged file: start over

@@ -300,7 +300,7 @@ def execute(spec: RunSpec) -> dict:
     from where it stopped; a replay that does not reproduce its validation points starts the run over.
     """
     path = partial_path(PARTIAL, spec.run_id)
-    resumed = load_partial(path, asdict(spec)) if spec.method in ZO_METHODS else None
+    resumed = load_partial(path, asdict(spec), DEVICE) if spec.method in ZO_METHODS else None
     if resumed is not None:
         print(f"resuming {spec.run_id} at step {len(resumed['steps'])} (replaying its journal)", flush=True)
     try:
@@ -328,7 +328,7 @@ def _execute(spec: RunSpec, resumed: dict | None) -> dict:
         if len(journal) != len(recorder.steps):  # they grow together; a mismatch would resume wrongly
             return
         segment["seconds"] = time.time() - started
-        _write_json(path, {"spec": asdict(spec), "run_id": spec.run_id, "segments": segments,
+        _write_json(path, {"spec": asdict(spec), "run_id": spec.run_id, "device": DEVICE, "segments": segments,
                            "journal": journal, "steps": recorder.steps, "val": recorder.val})
 
     recorder = _Recorder(module, resumed, flush if journal is not None else None)

@@ -91,7 +91,7 @@ print(f'converted in {time.time() - t:.0f} s')" 2>&1 | tee -a "$LOG"
   if [ -f benchmarks/gpu/llm_runs_steering.sh ]; then (source benchmarks/gpu/llm_runs_steering.sh) & fi
   wait
   nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$LOG" 2>&1
-  helene_files=$(ls -d benchmarks/results/helene_llm/runs benchmarks/results/helene_llm/*cuda*.json 2>/dev/null)
+  helene_files=$(ls -d benchmarks/results/helene_llm/runs benchmarks/results/helene_llm/partial benchmarks/results/helene_llm/*cuda*.json 2>/dev/null)
   [ -n "$helene_files" ] && tar czf "$OUT_DIR/helene_llm.tgz" $helene_files 2>>"$LOG"
   [ -d runs/pct_llm ] && tar czf "$OUT_DIR/pct_llm.tgz" runs/pct_llm 2>>"$LOG"
   [ -d runs/steering_llm_gpu ] && tar czf "$OUT_DIR/steering_llm.tgz" runs/steering_llm_gpu 2>>"$LOG"

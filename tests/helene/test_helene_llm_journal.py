@@ -98,7 +98,7 @@ def test_a_journal_that_does_not_replay_is_dropped_and_the_run_starts_over(tiny_
     assert "segments" not in again and not path.exists()
 
 
-def test_a_journal_of_other_settings_is_not_replayed(tiny_bench, monkeypatch):
+def test_a_journal_of_other_settings_or_another_device_is_not_replayed(tiny_bench, monkeypatch):
     spec = _spec("mezo")
     with monkeypatch.context() as m:
         _stop_after_journal_write(m, steps=2)
@@ -106,7 +106,10 @@ def test_a_journal_of_other_settings_is_not_replayed(tiny_bench, monkeypatch):
             execute(spec)
     path = helene_llm_runs.partial_path(helene_llm_runs.PARTIAL, spec.run_id)
     journal = json.loads(path.read_text())
-    journal["spec"]["lr"] = 1e-3
-    path.write_text(json.dumps(journal))
-    assert helene_llm_runs.load_partial(path, {**journal["spec"], "lr": spec.lr}) is None
-    assert "segments" not in execute(spec)
+    settings = dict(journal["spec"])
+    assert journal["device"] == "cpu" and helene_llm_runs.load_partial(path, settings, "cpu") is not None
+    assert helene_llm_runs.load_partial(path, settings, "cuda") is None  # z is drawn by the device's generator
+    assert helene_llm_runs.load_partial(path, {**settings, "lr": 1e-3}, "cpu") is None
+    path.write_text(json.dumps({**journal, "spec": {**settings, "lr": 1e-3}}))
+    assert "segments" not in execute(spec)  # not replayed: the run started over
+    assert not path.exists()
