@@ -78,12 +78,6 @@ def _speed_section() -> list[str]:
         for b, fwd in sorted(sp["forward"].items(), key=lambda kv: int(kv[0])):
             shares = [f"{over[m] / (over[m] + 2 * fwd):.1%}" for m in ("mezo", "helene") if m in over]
             lines.append(f"| {b} × {sp['length']} | {1e3 * fwd:.1f} | " + " | ".join(shares) + " |")
-        draws = sp.get("draw_pass")
-        if draws:
-            lines += ["", (f"One pass of z draws over all {sp['params']:,} parameters (three per step): "
-                           f"{1e3 * draws['fresh_randn']:.0f} ms with a fresh `torch.randn` per tensor, "
-                           f"{1e3 * draws['reused_buffer']:.0f} ms into the optimizers' reused scratch buffer "
-                           f"(the same numbers; {draws['reused_buffer'] / draws['fresh_randn']:.2f}×).")]
     if not lines:
         lines.append("Not measured yet (`python -m benchmarks.helene_llm speed`).")
     return lines

@@ -439,7 +439,6 @@ def measure_speed(batches=(8, 16, 32, 64, 128), length: int = 48, steps: int = 3
             out["forward"][b] = min(times)
     batch = batch_of(16)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    out["draw_pass"] = _draw_pass_times([p for _, p in params], clock)
     for name, make in (("mezo", lambda: ZOSGD(params, lr=1e-7, seed=0)),
                        ("helene", lambda: Helene(params, lr=1e-7, layerwise="tensor", batch_size=16,
                                                  anneal_horizon=30.0, seed=0))):
@@ -462,32 +461,6 @@ def measure_speed(batches=(8, 16, 32, 64, 128), length: int = 48, steps: int = 3
         out["steps"][name] = rows
         del opt
     return out
-
-
-def _draw_pass_times(tensors: list[torch.Tensor], clock, repeats: int = 3) -> dict:
-    """Seconds (median) of one pass of z draws over ``tensors``: a fresh ``torch.randn`` per tensor, as the
-    optimizers drew until 2026-12-01, against their scratch buffer reused for every tensor (the same numbers)."""
-    from helene import ZOSGD
-
-    opt = ZOSGD(tensors, lr=0.0, seed=0)
-
-    def fresh() -> None:
-        gen = torch.Generator(device=tensors[0].device).manual_seed(1)
-        for p in tensors:
-            torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
-
-    def reused() -> None:
-        draw = opt._z_stream(1)
-        for p in tensors:
-            draw(p)
-
-    times: dict[str, list[float]] = {"fresh_randn": [], "reused_buffer": []}
-    for _ in range(repeats):  # alternated, so a load change on a shared machine hits both alike
-        for name, run in (("fresh_randn", fresh), ("reused_buffer", reused)):
-            t = clock()
-            run()
-            times[name].append(clock() - t)
-    return {name: sorted(v)[len(v) // 2] for name, v in times.items()}
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ Every zeroth-order optimizer here estimates the gradient from two forward passes
     g = c · z,  c = (L+ − L−) / 2ε
 
 Only the per-step seed is kept; ``z`` is drawn again from it, tensor by tensor, each time it is needed, so the
-memory cost is one temporary the size of the largest parameter tensor, reused for every tensor of a pass. Subclasses implement :meth:`_apply_update`.
+memory cost is one parameter-sized temporary at a time. Subclasses implement :meth:`_apply_update`.
 """
 
 from __future__ import annotations
@@ -116,15 +116,8 @@ class ZerothOrderOptimizer(Optimizer):
         return seed
 
     def _z_stream(self, seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        """A function returning, for each trainable parameter in turn, its fp32 direction z for this seed.
-
-        Each z is drawn into one scratch buffer per device, sized for the largest trainable tensor and reused for
-        every tensor of the pass: the numbers are those of ``torch.randn(p.shape, generator=gen)`` (``randn`` is
-        ``normal_`` on a fresh contiguous tensor), without a fresh allocation — and, on CPU, fresh pages to fault
-        in — per tensor. A z is therefore valid only until the next one is drawn; callers use it at once.
-        """
+        """A function returning, for each trainable parameter in turn, its fp32 direction z for this seed."""
         seeded: set[torch.device] = set()
-        buffers: dict[torch.device, torch.Tensor] = {}
 
         def draw(p: torch.Tensor) -> torch.Tensor:
             gen = self._z_gens.get(p.device)
@@ -133,11 +126,7 @@ class ZerothOrderOptimizer(Optimizer):
             if p.device not in seeded:
                 gen.manual_seed(seed)
                 seeded.add(p.device)
-            buf = buffers.get(p.device)
-            if buf is None:
-                size = max(q.numel() for _, q in self._trainable() if q.device == p.device)
-                buf = buffers[p.device] = torch.empty(size, dtype=torch.float32, device=p.device)
-            return buf[: p.numel()].view(p.shape).normal_(generator=gen)
+            return torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
 
         return draw
 

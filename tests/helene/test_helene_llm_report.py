@@ -108,23 +108,3 @@ def test_a_run_stopped_mid_way_is_listed_with_the_step_its_journal_holds(cache, 
     text = helene_llm_report.write_report(helene_llm.queue()).read_text()
     assert f"- `{first.run_id}` — stopped at step 40 of 300; its journal resumes it" in text
     assert f"- `{second.run_id}`\n" in text
-
-
-def test_speed_section_shows_the_step_split_and_the_two_ways_of_drawing_z(cache):
-    import time
-
-    import torch
-
-    tensors = [torch.zeros(300, 40, requires_grad=True), torch.zeros(7, requires_grad=True)]
-    draws = helene_llm_runs._draw_pass_times(tensors, time.perf_counter)
-    assert set(draws) == {"fresh_randn", "reused_buffer"} and all(v > 0 for v in draws.values())
-    rows = [{"step": 5.0, "forward": 3.0, "overhead": 2.0}] * 3
-    (cache / "speed.json").write_text(json.dumps({
-        "length": 48, "threads": 1, "device": "cpu: 1 threads", "params": 134515008,
-        "forward": {"16": 1.5, "64": 6.0}, "steps": {"mezo": rows},
-        "draw_pass": {"fresh_randn": 0.9, "reused_buffer": 0.6}}))
-    text = "\n".join(helene_llm_report._speed_section())
-    assert "| mezo | 16 | 5000.0 | 3000.0 | 2000.0 | 40.0% |" in text
-    assert "| 64 × 48 | 6000.0 | 14.3% |" in text  # 2 s of passes next to two 6 s forwards
-    assert "900 ms with a fresh `torch.randn` per tensor, 600 ms into the optimizers' reused" in text
-    assert "(the same numbers; 0.67×)" in text
