@@ -4,8 +4,8 @@ A zeroth-order step changes the parameters by an amount fixed by two things only
 optimizer draws from its own seeded generator, and the losses its closure returned (``L+``, ``L−``, and ``L0`` on
 the steps that need it). So a run that writes those losses down can be brought back to any step, bit for bit, by
 running the same steps again with the closure answering from the journal: the perturbation passes run (they are
-part of what moves the parameters, rounding included), the forward passes do not. On one CPU core a SmolLM2
-RTE step costs ~11 s and its replay ~2.5 s (the z draws).
+part of what moves the parameters, rounding included), the training forwards do not (the dev evaluations do, as
+the check below). A SmolLM2 RTE step costs 16-20 s on one shared CPU core; its replay, the three z-draw passes.
 
 Why this and not a Lightning checkpoint: a full-parameter checkpoint is 0.5 GB (1.5 GB with HELENE's state) and
 cannot be committed, while this benchmark's runs outlive the sessions that start them (the machine keeps no

@@ -188,12 +188,12 @@ def _plot(main: dict[tuple[str, int, str], dict], zero: dict[str, dict], path: P
 
 
 def _progress(spec: RunSpec) -> str:
-    """`` — step N of M on record`` for a run stopped mid-way whose journal is on disk, else ``""``."""
+    """`` — journal at step N of M ...`` for a run begun but not finished whose journal is on disk, else ``""``."""
     path = partial_path(helene_llm_runs.PARTIAL, spec.run_id)
     if not path.is_file():
         return ""
     steps = len(json.loads(path.read_text()).get("steps", []))
-    return f" — stopped at step {steps} of {spec.steps}; its journal resumes it"
+    return f" — journal at step {steps} of {spec.steps} (running, or stopped and resumable from it)"
 
 
 def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:

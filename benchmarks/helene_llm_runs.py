@@ -145,9 +145,11 @@ def _git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              check=False)
-        dirty = subprocess.run(["git", "status", "--porcelain", "helene", "peftplug/prompt_cls.py",
-                                "peftplug/lightning.py", "benchmarks"], cwd=REPO, capture_output=True, text=True,
-                               check=False)
+        # The code a run depends on; not the result cache under benchmarks/results, which the runs themselves write
+        # (every run in flight would otherwise mark the others "+dirty").
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "helene", "peftplug/prompt_cls.py",
+                                "peftplug/lightning.py", "benchmarks", ":!benchmarks/results"], cwd=REPO,
+                               capture_output=True, text=True, check=False)
         return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except OSError:
         return "unknown"

@@ -106,5 +106,5 @@ def test_a_run_stopped_mid_way_is_listed_with_the_step_its_journal_holds(cache, 
     path.parent.mkdir()
     path.write_text(json.dumps({"spec": asdict(first), "journal": [[1.0, 0.9]] * 40, "steps": [{}] * 40}))
     text = helene_llm_report.write_report(helene_llm.queue()).read_text()
-    assert f"- `{first.run_id}` — stopped at step 40 of 300; its journal resumes it" in text
+    assert f"- `{first.run_id}` — journal at step 40 of 300 (running, or stopped and resumable from it)" in text
     assert f"- `{second.run_id}`\n" in text
