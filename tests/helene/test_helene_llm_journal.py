@@ -113,3 +113,16 @@ def test_a_journal_of_other_settings_or_another_device_is_not_replayed(tiny_benc
     path.write_text(json.dumps({**journal, "spec": {**settings, "lr": 1e-3}}))
     assert "segments" not in execute(spec)  # not replayed: the run started over
     assert not path.exists()
+
+
+def test_a_replayed_validation_point_matches_up_to_summation_order_only():
+    from benchmarks.helene_llm_journal import same_point
+
+    point = {"step": 25, "acc": 0.6875, "loss": 0.6501554250717163}
+    assert same_point(point, dict(point))
+    assert same_point(point, {**point, "loss": point["loss"] * (1 + 1e-7)})  # another thread count's sum order
+    assert not same_point(point, {**point, "loss": point["loss"] * (1 + 1e-3)})  # one ZO step's worth
+    assert not same_point(point, {**point, "acc": 0.71875})
+    assert not same_point(point, {**point, "step": 50})
+    nan = {**point, "loss": float("nan")}
+    assert same_point(nan, dict(nan)) and not same_point(point, nan)
