@@ -4,8 +4,8 @@ A run is a :class:`RunSpec`; its result is one JSON file ``benchmarks/results/he
 (committed), written atomically when the run has finished. The JSON records the exact settings, the git commit the
 run started at, per-step training loss and timings, validation curves and the final test accuracy. An interrupted
 zeroth-order run resumes from its journal (``partial/<run_id>.json``, see :mod:`benchmarks.helene_llm_journal`);
-any other interrupted run starts again. Training goes through :class:`peftplug.lightning.PeftModule` with ``task="prompt_cls"`` and Lightning
-(manual optimization for the zeroth-order optimizers).
+any other interrupted run starts again. Training goes through :class:`peftplug.lightning.PeftModule` with
+``task="prompt_cls"`` and Lightning (manual optimization for the zeroth-order optimizers).
 
 Also: peak-RSS measurements (``--memory MODE``, one fresh process per mode, because the peak is per process) and
 the ZO step-time breakdown (``--speed``).
@@ -319,7 +319,7 @@ def _execute(spec: RunSpec, resumed: dict | None) -> dict:
     L.seed_everything(spec.split_seed, verbose=False)
     started = time.time()
     # The code the run executes is the code at its start (a commit made while it runs is not in it).
-    segment = {"commit": _git_commit(), "from_step": len(resumed["steps"]) if resumed else 0}
+    segment = {"commit": _git_commit(), "from_step": len(resumed["steps"]) if resumed else 0, "started": started}
     segments = (resumed["segments"] if resumed else []) + [segment]
     journal = list(resumed["journal"]) if resumed else ([] if spec.method in ZO_METHODS else None)
     path = partial_path(PARTIAL, spec.run_id)
@@ -344,7 +344,8 @@ def _execute(spec: RunSpec, resumed: dict | None) -> dict:
     result = {
         "spec": asdict(spec), "run_id": spec.run_id, "commit": segments[0]["commit"], "model": MODEL,
         "threads": torch.get_num_threads(), "device": device_name(),
-        "started": started - sum(s["seconds"] for s in segments[:-1]),
+        # The first process's start (journals of commit e4ca7ea have no "started": estimated from the seconds).
+        "started": segments[0].get("started", started - sum(s["seconds"] for s in segments[:-1])),
         "seconds": sum(s["seconds"] for s in segments),
         "test_acc": test["test_acc"], "test_loss": test["test_loss"], "n_test": len(data.splits["test"]),
         "label_words": list(data.words), "label_word_ids": data.label_word_ids, "template": data.template,

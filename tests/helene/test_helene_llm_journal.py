@@ -77,6 +77,7 @@ def test_an_interrupted_run_resumes_from_its_journal_bit_for_bit(tiny_bench, mon
     resumed = execute(spec)
     _same_run(resumed, whole)
     assert [s["from_step"] for s in resumed["segments"]] == [0, 4]
+    assert resumed["started"] == resumed["segments"][0]["started"] < resumed["segments"][1]["started"]
     assert not helene_llm_runs.partial_path(helene_llm_runs.PARTIAL, spec.run_id).exists()
 
 
