@@ -356,6 +356,10 @@ def _execute(spec: RunSpec, resumed: dict | None) -> dict:
         "trainable": sum(p.numel() for p in module.model.parameters() if p.requires_grad),
         "peak_rss_mib": peak_rss_mib(), "loadavg": os.getloadavg(), **cuda_memory(),
     }
+    if journal is not None:
+        # Each step's closure values (L+, L−; L0 where needed): the projected gradient c = (L+ − L−)/2ε per step,
+        # from which e.g. HELENE's Hessian EMA can be followed (see helene_llm_report).
+        result["closure_values"] = journal
     if len(segments) > 1:
         # Resumed: each process's commit, first step and seconds (a replay's seconds are perturbation passes).
         result["segments"] = segments

@@ -53,6 +53,7 @@ def _stop_after_journal_write(monkeypatch, steps: int) -> None:
 
 def _same_run(a: dict, b: dict) -> None:
     assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]]
+    assert a["closure_values"] == b["closure_values"]  # every L+ and L− after the resume, bit for bit
     assert a["val"] == b["val"]
     assert (a["test_acc"], a["test_loss"], a["nonfinite_steps"]) == (b["test_acc"], b["test_loss"],
                                                                       b["nonfinite_steps"])
@@ -63,6 +64,7 @@ def test_an_interrupted_run_resumes_from_its_journal_bit_for_bit(tiny_bench, mon
     spec = _spec(method)
     whole = execute(spec)
     assert len(whole["steps"]) == 6 and "segments" not in whole
+    assert len(whole["closure_values"]) == 6 and all(len(v) == 2 for v in whole["closure_values"])
     assert not helene_llm_runs.partial_path(helene_llm_runs.PARTIAL, spec.run_id).exists()
     result_path(spec).unlink()
 
