@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from benchmarks import helene_llm_runs
+from benchmarks.helene_llm_diagnostics import projected_gradient_section
 from benchmarks.helene_llm_journal import partial_path
 from benchmarks.helene_llm_runs import CACHE, MEMORY_MODES, RUNS, RunSpec, load_result
 
@@ -320,6 +321,7 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
                        f"(std over split seeds {', '.join(map(str, SEEDS))}; a task counts once every seed has "
                        "finished):"), ""]
         lines += _targets_section(main, zero, PRIORITY, SEEDS)
+        lines += projected_gradient_section(list(main.values()), NAMES)
         if _plot(main, zero, DOC.with_name("helene_llm_curves.png")):
             lines += ["", "![curves](helene_llm_curves.png)"]
 

@@ -108,3 +108,32 @@ def test_a_run_stopped_mid_way_is_listed_with_the_step_its_journal_holds(cache, 
     text = helene_llm_report.write_report(helene_llm.queue()).read_text()
     assert f"- `{first.run_id}` — journal at step 40 of 300 (running, or stopped and resumable from it)" in text
     assert f"- `{second.run_id}`\n" in text
+
+
+def test_projected_gradients_and_helenes_hessian_mean_from_the_closure_values(cache, monkeypatch):
+    from benchmarks.helene_llm_diagnostics import hessian_mean, projected_gradients
+
+    monkeypatch.setattr(helene_llm, "PINNED_LR", {m: 1e-4 for m in helene_llm.PRIORITY})
+    for spec in helene_llm.zero_shot_specs():
+        _write(spec, 0.5)
+    runs = {(s.method, s.split_seed): s for s in helene_llm.phase_specs("main") if s.task == "sst2"}
+    # |c| = 10 at every step (L+ − L− = 2ε·10), one NaN step (skipped: no update, no refresh) at step 5.
+    values = [[1.0 + 0.01, 1.0 - 0.01]] * 300
+    values[4] = [float("nan"), 1.0]
+    for key in (("mezo", 42), ("helene", 42)):
+        _write(runs[key], 0.6, [0.7] * 300)
+        path = helene_llm_runs.result_path(runs[key])
+        result = json.loads(path.read_text())
+        result["closure_values"] = values
+        result["optimizer"] = {"betas": [0.9, 0.99]}
+        path.write_text(json.dumps(result))
+    cs = projected_gradients(json.loads(path.read_text()))
+    assert cs[0] == pytest.approx(10.0) and cs[4] != cs[4]
+    h = hessian_mean(cs, 0.99, 10, 16)
+    # Refreshed at applied updates 0, 10, 20, ...: steps 1, 12, 22, ... (step 5 applied nothing).
+    assert h[0] == pytest.approx(0.01 * 16 * 100) and h[10] == h[0] and h[11] == pytest.approx(16 * 0.99 + 16)
+    refreshes = len(range(0, 299, 10))  # 299 applied updates
+    assert h[-1] == pytest.approx(1600 * (1 - 0.99 ** refreshes))
+    text = helene_llm_report.write_report(helene_llm.queue()).read_text()
+    assert "| sst2 | 42 | MeZO (ZO-SGD) | 10.00 | 10.00 | 10.00 | — | — | — |" in text
+    assert f"| sst2 | 42 | HELENE | 10.00 | 10.00 | 10.00 | 16 | {h[49]:.3g} | {h[299]:.3g} |" in text
