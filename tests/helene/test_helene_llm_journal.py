@@ -40,7 +40,8 @@ def _spec(method: str) -> RunSpec:
     return RunSpec("rte", 13, method, lr=1e-2, steps=6, eval_every=2, batch_size=4, max_test=8, max_length=256)
 
 
-def _stop_after_journal_write(monkeypatch, steps: int) -> None:
+def _interrupted(monkeypatch, spec: RunSpec, steps: int):
+    """Runs ``spec`` until the journal write after ``steps`` steps, stops it there, returns (path, journal)."""
     write = helene_llm_runs._write_json
 
     def write_then_stop(path, data):
@@ -48,7 +49,12 @@ def _stop_after_journal_write(monkeypatch, steps: int) -> None:
         if path.parent == helene_llm_runs.PARTIAL and len(data["journal"]) == steps:
             raise Interrupted
 
-    monkeypatch.setattr(helene_llm_runs, "_write_json", write_then_stop)
+    with monkeypatch.context() as m:
+        m.setattr(helene_llm_runs, "_write_json", write_then_stop)
+        with pytest.raises(Interrupted):
+            execute(spec)
+    path = helene_llm_runs.partial_path(helene_llm_runs.PARTIAL, spec.run_id)
+    return path, json.loads(path.read_text())
 
 
 def _same_run(a: dict, b: dict) -> None:
@@ -68,11 +74,7 @@ def test_an_interrupted_run_resumes_from_its_journal_bit_for_bit(tiny_bench, mon
     assert not helene_llm_runs.partial_path(helene_llm_runs.PARTIAL, spec.run_id).exists()
     result_path(spec).unlink()
 
-    with monkeypatch.context() as m:
-        _stop_after_journal_write(m, steps=4)
-        with pytest.raises(Interrupted):
-            execute(spec)
-    journal = json.loads(helene_llm_runs.partial_path(helene_llm_runs.PARTIAL, spec.run_id).read_text())
+    _, journal = _interrupted(monkeypatch, spec, steps=4)
     assert len(journal["journal"]) == len(journal["steps"]) == 4 and not result_path(spec).exists()
     assert all(len(values) == 2 for values in journal["journal"])  # L+ and L− per step
 
@@ -87,12 +89,7 @@ def test_a_journal_that_does_not_replay_is_dropped_and_the_run_starts_over(tiny_
     spec = _spec("mezo")
     whole = execute(spec)
     result_path(spec).unlink()
-    with monkeypatch.context() as m:
-        _stop_after_journal_write(m, steps=4)
-        with pytest.raises(Interrupted):
-            execute(spec)
-    path = helene_llm_runs.partial_path(helene_llm_runs.PARTIAL, spec.run_id)
-    journal = json.loads(path.read_text())
+    path, journal = _interrupted(monkeypatch, spec, steps=4)
     journal["journal"][0][0] += 1.0  # a different L+ at step 1: the replayed step-2 validation cannot match
     path.write_text(json.dumps(journal))
 
@@ -103,12 +100,7 @@ def test_a_journal_that_does_not_replay_is_dropped_and_the_run_starts_over(tiny_
 
 def test_a_journal_of_other_settings_or_another_device_is_not_replayed(tiny_bench, monkeypatch):
     spec = _spec("mezo")
-    with monkeypatch.context() as m:
-        _stop_after_journal_write(m, steps=2)
-        with pytest.raises(Interrupted):
-            execute(spec)
-    path = helene_llm_runs.partial_path(helene_llm_runs.PARTIAL, spec.run_id)
-    journal = json.loads(path.read_text())
+    path, journal = _interrupted(monkeypatch, spec, steps=2)
     settings = dict(journal["spec"])
     assert journal["device"] == "cpu" and helene_llm_runs.load_partial(path, settings, "cpu") is not None
     assert helene_llm_runs.load_partial(path, settings, "cuda") is None  # z is drawn by the device's generator
