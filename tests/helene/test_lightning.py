@@ -156,3 +156,20 @@ def test_offline_recipe_fits_with_helene_on_a_tiny_model(tmp_path, capsys, tiny_
     assert isinstance(opt, Helene) and opt.step_count == 3 and run.trainer.global_step == 3
     assert all(g["lam"] == 1.0 for g in opt.param_groups) and len(opt.param_groups) > 1  # layerwise: tensor
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("held-out accuracy: ")
+
+
+def test_peft_module_gives_helene_the_parameter_names_and_the_run_length(tiny_model, tmp_path):
+    from torch.utils.data import DataLoader
+
+    auto = partial(Helene, lr=1e-3, eps=1e-3, layerwise="block", anneal_horizon="auto", seed=3)
+    module = _module(tiny_model, auto, lora=False)
+    trainer = _trainer(tmp_path, max_steps=4)
+    trainer.fit(module, train_dataloaders=DataLoader(_batches(), batch_size=None))
+    opt = trainer.optimizers[0]
+    # The run length reached the optimizer: T = 10% of the 4 steps (floored at 1), not the 1000-step fallback.
+    assert opt.total_steps == 4 and opt.horizon() == 1.0
+    # Block-wise groups need names: one layer per encoder block (split into decayed / no-decay parameters), plus
+    # embeddings, pooler and classifier.
+    layers = {g["layer"] for g in opt.param_groups}
+    assert {k for k in layers if ".layer." in k} == {f"bert.encoder.layer.{i}" for i in range(2)}, layers
+    assert len(layers) > 2
