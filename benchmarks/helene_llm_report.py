@@ -326,7 +326,9 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
                              f"{_fmt(_final_loss(r42, 10)) if r42 else '—'} | {to_loss} | {to_acc} |")
         lines += ["", ("Target: MeZO and HELENE beat zero-shot by more than the seed std on at least two tasks "
                        f"(std over split seeds {', '.join(map(str, SEEDS))}; a task counts once every seed has "
-                       "finished):"), ""]
+                       "finished). In brackets the test-set SE, sqrt(p(1 − p)/n) at the zero-shot accuracy p on its n "
+                       "test examples: with two seeds the std can be far below the test set's own sampling error."),
+                  ""]
         lines += _targets_section(main, zero, PRIORITY, SEEDS)
         lines += projected_gradient_section(list(main.values()), NAMES)
         if _plot(main, zero, DOC.with_name("helene_llm_curves.png")):
