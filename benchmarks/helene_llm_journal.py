@@ -5,7 +5,8 @@ optimizer draws from its own seeded generator, and the losses its closure return
 the steps that need it). So a run that writes those losses down can be brought back to any step, bit for bit, by
 running the same steps again with the closure answering from the journal: the perturbation passes run (they are
 part of what moves the parameters, rounding included), the training forwards do not (the dev evaluations do, as
-the check below). A SmolLM2 RTE step costs 16-20 s on one shared CPU core; its replay, the three z-draw passes.
+the check below). A SmolLM2 RTE step costs 12-20 s on one shared CPU core; its replay, the three z-draw passes
+(30 steps replayed in about 100 s, model load and two dev evaluations included).
 
 Why this and not a Lightning checkpoint: a full-parameter checkpoint is 0.5 GB (1.5 GB with HELENE's state) and
 cannot be committed, while this benchmark's runs outlive the sessions that start them (the machine keeps no
@@ -16,7 +17,8 @@ that many steps.
 The replay checks itself: every validation point it passes again is compared with the one on record, and a
 difference (the model, data or optimizer code changed since) raises :class:`ReplayMismatch`, after which the run
 starts over from step 0. Resume with the thread count the run started with (the queue's command pins one): the
-replay is exact either way, but only then are the steps after it the uninterrupted run's, bit for bit. First-order runs (AdamW-LoRA) have no such record and start over when interrupted.
+replay is exact either way, but only then are the steps after it the uninterrupted run's, bit for bit.
+First-order runs (AdamW-LoRA) have no such record and start over when interrupted.
 """
 
 from __future__ import annotations
