@@ -55,10 +55,16 @@ def hessian_mean(cs: list[float], beta2: float, interval: int, batch_size: int) 
     return out
 
 
-def _helene_interval() -> int:
+def _helene_default(name: str):
     from helene import Helene
 
-    return inspect.signature(Helene).parameters["hessian_interval"].default
+    return inspect.signature(Helene).parameters[name].default
+
+
+def _beta2(result: dict) -> float:
+    """HELENE's β2 as the run recorded it (its first param group), else the optimizer's default."""
+    betas = (result.get("optimizer") or {}).get("betas") or _helene_default("betas")
+    return float(betas[1])
 
 
 def projected_gradient_section(results: list[dict], names: dict[str, str]) -> list[str]:
@@ -72,11 +78,12 @@ def projected_gradient_section(results: list[dict], names: dict[str, str]) -> li
     rows = [r for r in results if r.get("closure_values")]
     if not rows:
         return []
-    interval = _helene_interval()
+    interval = _helene_default("hessian_interval")
+    helene = [r for r in rows if r["spec"]["method"] == "helene"]
+    beta2 = _beta2(helene[0]) if helene else float(_helene_default("betas")[1])
     lines = ["", ("Projected gradients c = (L+ − L−)/2ε from the recorded closure values (mean |c| per window of "
                   "steps) and, for HELENE, the mean over coordinates of its A-GNB Hessian EMA h̄ after a step "
-                  f"(β2 = {rows[0].get('optimizer', {}).get('betas', [0, 0.99])[1]}, refreshed every {interval} "
-                  "updates; with λ = 1 a coordinate's step is divided by max(h_i, 1), so h̄ ≫ 1 means steps h̄ times "
+                  f"(β2 = {beta2:g}, refreshed every {interval} updates; with λ = 1 a coordinate's step is divided by max(h_i, 1), so h̄ ≫ 1 means steps h̄ times "
                   "smaller than the annealed momentum alone; see `benchmarks/helene_llm_diagnostics.py`):"), "",
              "| task | seed | optimizer | " + " | ".join(f"mean \\|c\\| steps {a}–{b}" for a, b in WINDOWS)
              + " | " + " | ".join(f"h̄ after {s}" for s in CHECKPOINTS) + " |",
@@ -90,8 +97,7 @@ def projected_gradient_section(results: list[dict], names: dict[str, str]) -> li
             means.append(f"{statistics.mean(window):.2f}" if window else "—")
         hs = ["—"] * len(CHECKPOINTS)
         if spec["method"] == "helene":
-            beta2 = r.get("optimizer", {}).get("betas", [0.9, 0.99])[1]
-            h = hessian_mean(cs, beta2, interval, spec["batch_size"])
+            h = hessian_mean(cs, _beta2(r), interval, spec["batch_size"])
             hs = [f"{h[s - 1]:.3g}" if s <= len(h) else "—" for s in CHECKPOINTS]
         lines.append(f"| {spec['task']} | {spec['split_seed']} | {names[spec['method']]} | " + " | ".join(means)
                      + " | " + " | ".join(hs) + " |")

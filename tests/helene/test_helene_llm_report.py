@@ -127,7 +127,7 @@ def test_projected_gradients_and_helenes_hessian_mean_from_the_closure_values(ca
         path = helene_llm_runs.result_path(runs[key])
         result = json.loads(path.read_text())
         result["closure_values"] = values
-        result["optimizer"] = {"betas": [0.9, 0.99]}
+        result["optimizer"] = {"betas": [0.9, 0.99] if key[0] == "helene" else [0.9, 0.999]}
         path.write_text(json.dumps(result))
     cs = projected_gradients(json.loads(path.read_text()))
     assert cs[0] == pytest.approx(10.0) and cs[4] != cs[4]
@@ -138,6 +138,7 @@ def test_projected_gradients_and_helenes_hessian_mean_from_the_closure_values(ca
     assert h[-1] == pytest.approx(1600 * (1 - 0.99 ** refreshes))
     text = helene_llm_report.write_report(helene_llm.queue()).read_text()
     assert "| sst2 | 42 | MeZO (ZO-SGD) | 10.00 | 10.00 | 10.00 | — | — | — |" in text
+    assert "(β2 = 0.99, refreshed every 10 updates;" in text  # HELENE's β2, not another optimizer's
     assert f"| sst2 | 42 | HELENE | 10.00 | 10.00 | 10.00 | 16 | {h[49]:.3g} | {h[299]:.3g} |" in text
 
 
