@@ -6,6 +6,7 @@
     .venv/bin/python -m benchmarks.helene_llm speed    # ZO step breakdown: forwards vs perturbation passes
     .venv/bin/python -m benchmarks.helene_llm probe    # zero-shot plain vs chat rendering on the seed-42 train+dev
     .venv/bin/python -m benchmarks.helene_llm queue    # print the queue and what has finished
+    .venv/bin/python -m benchmarks.helene_llm run --phase followup   # after the core grid: MeZO with Rademacher z
 
 Protocol: LM-BFF/MeZO k-shot splits (k=16 per class, split seeds 42 and 13), the task as a prompt the LM completes
 with a label word (``peftplug.prompt_cls``), loss = cross-entropy over the label words at the answer position,
@@ -55,6 +56,11 @@ GRIDS = {
     "adamw_lora": (1e-4, 3e-4, 1e-3),
 }
 PRIORITY = ("mezo", "helene", "helene_anneal", "zoadam", "adamw_lora")
+#: Follow-up runs after the core grid: optimizer -> the optimizer whose selected lr it takes (no sweep of its own).
+#: MeZO with Rademacher z has MeZO's expected update (E[z zᵀ] = I for both), so it runs at MeZO's lr, on the task
+#: where MeZO learns: does the cheaper draw (docs/benchmarks/helene_llm.md, step cost) train as well?
+FOLLOW_UPS = {"mezo_rademacher": "mezo"}
+FOLLOW_UP_TASKS = ("sst2",)
 #: Points a sweep may add beyond its grid's edge (see :func:`extension_specs`).
 MAX_EXTENSIONS = 2
 #: The lrs the sweeps selected when they ran (2026-11-30/12-01, CPU, every grid point and extension finished; the
@@ -171,24 +177,34 @@ def queue() -> list[tuple[RunSpec | None, str]]:
     # Task-major: SST-2's runs are a third of RTE's cost, so a partial grid completes one task's seeds first.
     # Within a task optimizer-major: a task cut short still has both seeds (a mean ± std) of the optimizers first in
     # PRIORITY -- MeZO and HELENE, the two the accuracy target names.
-    for task in TASKS:
-        for method in PRIORITY:
-            for seed in SEEDS:
-                if chosen[method] is None:
-                    items.append((None, f"{task} seed {seed} {method}: {waiting[method]}"))
-                else:
-                    items.append((RunSpec(task, seed, method, lr=chosen[method], steps=MAIN_STEPS,
-                                          max_test=MAX_TEST[task], max_length=MAX_LENGTH[task]), ""))
+    items += [_main_item(task, seed, method, chosen[method], waiting.get(method, ""))
+              for task in TASKS for method in PRIORITY for seed in SEEDS]
+    # Follow-ups last, so that they never move a core run's position (shard membership).
+    items += [_main_item(task, seed, method, chosen[lr_of], f"waits for {lr_of}'s lr sweep")
+              for method, lr_of in FOLLOW_UPS.items() for task in FOLLOW_UP_TASKS for seed in SEEDS]
     return items
 
 
+def _main_item(task: str, seed: int, method: str, lr: float | None, why: str) -> tuple[RunSpec | None, str]:
+    """One 300-step run as a queue item: ``(spec, "")``, or ``(None, why)`` while its lr is not known."""
+    if lr is None:
+        return None, f"{task} seed {seed} {method}: {why}"
+    return RunSpec(task, seed, method, lr=lr, steps=MAIN_STEPS, max_test=MAX_TEST[task],
+                   max_length=MAX_LENGTH[task]), ""
+
+
+PHASES = ("all", "first", "main", "followup")
+
+
 def in_phase(spec: RunSpec, phase: str) -> bool:
-    """Whether ``spec`` belongs to ``phase``: ``first`` (zero-shot and every lr sweep), ``main`` (the 300-step grid,
-    whose lrs need the sweeps) or ``all``."""
+    """Whether ``spec`` belongs to ``phase``: ``first`` (zero-shot and every lr sweep), ``main`` (the 300-step core
+    grid, whose lrs need the sweeps), ``followup`` (:data:`FOLLOW_UPS`) or ``all``."""
     if phase == "first":
         return spec.purpose == "sweep" or spec.method == "zeroshot"
     if phase == "main":
-        return spec.purpose == "main" and spec.method != "zeroshot"
+        return spec.purpose == "main" and spec.method in PRIORITY
+    if phase == "followup":
+        return spec.method in FOLLOW_UPS
     return True
 
 
@@ -244,7 +260,7 @@ def run_queue(limit: int | None, phase: str = "all", shard: tuple[int, int] = (0
     while limit is None or done < limit:
         pending = [s for s in shard_members(phase, shard) if load_result(s) is None]
         if not pending:
-            left = unfinished_sweep_points() if phase != "main" and shard[1] > 1 else 0
+            left = unfinished_sweep_points() if phase in ("all", "first") and shard[1] > 1 else 0
             if left != unfinished:  # a sweep point finished (or appeared) elsewhere: the wait starts over
                 waited, unfinished = 0.0, left
             if left and waited < max_wait:
@@ -330,8 +346,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=("run", "report", "memory", "speed", "probe", "queue"))
     parser.add_argument("--limit", type=int, default=None, help="run: stop after this many runs")
-    parser.add_argument("--phase", choices=("all", "first", "main"), default="all",
-                        help="run: 'first' = zero-shot + lr sweeps, 'main' = the 300-step grid (needs the sweeps)")
+    parser.add_argument("--phase", choices=PHASES, default="all",
+                        help="run: 'first' = zero-shot + lr sweeps, 'main' = the 300-step core grid (needs the "
+                             "sweeps), 'followup' = the runs after it (FOLLOW_UPS)")
     parser.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
                         help="run: this process's share of the phase (N processes, e.g. on one GPU)")
     parser.add_argument("--no-report", action="store_true", help="run/memory/speed: do not rewrite the page")

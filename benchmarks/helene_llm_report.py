@@ -16,8 +16,8 @@ from benchmarks.helene_llm_runs import CACHE, MEMORY_MODES, RUNS, RunSpec, load_
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "benchmarks" / "helene_llm.md"
 NAMES = {"zeroshot": "zero-shot", "mezo": "MeZO (ZO-SGD)", "helene": "HELENE", "helene_anneal": "HELENE anneal only",
-         "zoadam": "ZO-Adam", "adamw_lora": "AdamW LoRA r=8"}
-FORWARDS_PER_STEP = {"mezo": 2, "helene": 2, "helene_anneal": 2, "zoadam": 2, "adamw_lora": 1}
+         "zoadam": "ZO-Adam", "adamw_lora": "AdamW LoRA r=8", "mezo_rademacher": "MeZO, Rademacher z (follow-up)"}
+FORWARDS_PER_STEP = {"mezo": 2, "helene": 2, "helene_anneal": 2, "zoadam": 2, "adamw_lora": 1, "mezo_rademacher": 2}
 
 
 def _memory_section() -> list[str]:
@@ -76,13 +76,28 @@ def _speed_section() -> list[str]:
             lines.append(f"| {method} | 16 | {1e3 * step:.1f} | {1e3 * fwd:.1f} | {1e3 * (step - fwd):.1f} | "
                          f"{(step - fwd) / step:.1%} |")
         lines += ["", "Forward time per batch size and the share the (batch-independent) overhead would take:", "",
-                  "| batch × tokens | forward (ms) | MeZO overhead share | HELENE overhead share |", "|---|---|---|---|"]
+                  "| batch × tokens | forward (ms) | " + " | ".join(f"{m} overhead share" for m in over) + " |",
+                  "|---|---|" + "---|" * len(over)]
         for b, fwd in sorted(sp["forward"].items(), key=lambda kv: int(kv[0])):
-            shares = [f"{over[m] / (over[m] + 2 * fwd):.1%}" for m in ("mezo", "helene") if m in over]
+            shares = [f"{o / (o + 2 * fwd):.1%}" for o in over.values()]
             lines.append(f"| {b} × {sp['length']} | {1e3 * fwd:.1f} | " + " | ".join(shares) + " |")
+        below = _batch_below(over, sp["forward"], 0.10)
+        if below:
+            lines += ["", "Smallest measured batch at which the overhead is below 10% of the step: "
+                      + ", ".join(f"{m} {b if b else 'none up to ' + str(max(map(int, sp['forward'])))}"
+                                  for m, b in below.items()) + "."]
+        if sp.get("loadavg"):
+            lines += ["", (f"Load average when measured: {', '.join(f'{x:.2f}' for x in sp['loadavg'])} "
+                           f"(commit {sp.get('commit', '?')}).")]
     if not lines:
         lines.append("Not measured yet (`python -m benchmarks.helene_llm speed`).")
     return lines
+
+
+def _batch_below(over: dict[str, float], forward: dict, share: float) -> dict[str, int | None]:
+    """Per method, the smallest measured batch whose overhead share ``o / (o + 2·forward)`` is below ``share``."""
+    batches = sorted(forward, key=int)
+    return {m: next((int(b) for b in batches if o / (o + 2 * forward[b]) < share), None) for m, o in over.items()}
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -168,7 +183,8 @@ def _plot(main: dict[tuple[str, int, str], dict], zero: dict[str, dict], path: P
     if not tasks:
         return False
     fig, axes = plt.subplots(2, len(tasks), figsize=(6 * len(tasks), 8), squeeze=False)
-    colors = {"mezo": "C0", "helene": "C1", "helene_anneal": "C2", "zoadam": "C3", "adamw_lora": "C4"}
+    colors = {"mezo": "C0", "helene": "C1", "helene_anneal": "C2", "zoadam": "C3", "adamw_lora": "C4",
+              "mezo_rademacher": "C5"}
     for col, task in enumerate(tasks):
         ax_loss, ax_acc = axes[0][col], axes[1][col]
         for (t, seed, method), result in sorted(main.items()):
@@ -211,6 +227,7 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
         queue: ``benchmarks.helene_llm.queue()``.
     """
     from benchmarks.helene_llm import (
+        FOLLOW_UPS,
         GRIDS,
         MAIN_STEPS,
         MAX_EXTENSIONS,
@@ -307,7 +324,7 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
             mezo = main.get((task, 42, "mezo"))
             mezo_loss = _final_loss(mezo, 10) if mezo else None
             mezo_acc = mezo["val"][-1]["acc"] if mezo and mezo["val"] else None
-            for method in PRIORITY:
+            for method in (*PRIORITY, *FOLLOW_UPS):
                 runs = [main[k] for k in sorted(main) if k[0] == task and k[2] == method]
                 if not runs:
                     continue
@@ -341,7 +358,7 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
     # Only CPU runs: on a GPU the forward hooks see kernel launches, not kernel time (no synchronisation inside a
     # step), so the split would be meaningless there; the speed table above synchronises.
     shares = [(r["run_id"], _overhead_share(r)) for r in results
-              if r["spec"]["method"] in ("mezo", "helene", "helene_anneal", "zoadam") and r["steps"]
+              if r["spec"]["method"] in helene_llm_runs.ZO_METHODS and r["steps"]
               and not r.get("device", "cpu").startswith("cuda")]
     if shares:
         lines += ["", ("Inside the benchmark runs (real batches; share of step wall time outside the decoder "
@@ -356,8 +373,12 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
     missing = [spec for spec, _ in queue if spec is not None and spec.run_id not in finished]
     blocked = [why for spec, why in queue if spec is None]
     lines += ["", "## What has not run yet", ""]
+    # A blocked entry waits for an lr sweep, which the core grid needs too: the core is complete only without any.
+    core_complete = not blocked and all(s.method in FOLLOW_UPS for s in missing)
     if not missing and not blocked:
-        lines.append("Nothing: the core grid is complete.")
+        lines.append("Nothing: the core grid and its follow-ups are complete.")
+    elif core_complete:
+        lines.append("The core grid is complete; of its follow-ups (`run --phase followup`) these have not run:")
     lines += [f"- `{spec.run_id}`{_progress(spec)}" for spec in missing] + [f"- {b}" for b in blocked]
     lines += ["", "Resume (skips finished runs; a run with a journal replays it and goes on):", "",
               ("    OMP_NUM_THREADS=1 setsid nohup .venv/bin/python -m benchmarks.helene_llm run "

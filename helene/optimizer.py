@@ -42,12 +42,13 @@ class ZOSGD(ZerothOrderOptimizer):
         seed: Seed of the private generator of per-step seeds.
         master_weights: See :class:`helene.zo.ZerothOrderOptimizer`.
         sync_seed: Broadcast the step seed from rank 0 under ``torch.distributed``.
+        perturbation: ``"gaussian"`` (MeZO) or ``"rademacher"``, see :class:`helene.zo.ZerothOrderOptimizer`.
     """
 
     def __init__(self, params, lr: float = 1e-6, eps: float = 1e-3, weight_decay: float = 0.0, seed: int = 0,
-                 master_weights="auto", sync_seed: bool = True):
+                 master_weights="auto", sync_seed: bool = True, perturbation: str = "gaussian"):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay}, eps=eps, seed=seed,
-                         master_weights=master_weights, sync_seed=sync_seed)
+                         master_weights=master_weights, sync_seed=sync_seed, perturbation=perturbation)
         for group in self.param_groups:
             _check_lr_wd(group)
 
@@ -72,15 +73,18 @@ class ZOAdam(ZerothOrderOptimizer):
         seed: Seed of the private generator of per-step seeds.
         master_weights: See :class:`helene.zo.ZerothOrderOptimizer`.
         sync_seed: Broadcast the step seed from rank 0 under ``torch.distributed``.
+        perturbation: ``"gaussian"`` or ``"rademacher"``, see :class:`helene.zo.ZerothOrderOptimizer`.
     """
 
     def __init__(self, params, lr: float = 1e-4, eps: float = 1e-3, betas=(0.9, 0.999), adam_eps: float = 1e-8,
-                 weight_decay: float = 0.0, seed: int = 0, master_weights="auto", sync_seed: bool = True):
+                 weight_decay: float = 0.0, seed: int = 0, master_weights="auto", sync_seed: bool = True,
+                 perturbation: str = "gaussian"):
         _check_betas(betas)
         if not adam_eps > 0:
             raise ValueError(f"adam_eps must be > 0, got {adam_eps!r}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "adam_eps": adam_eps, "weight_decay": weight_decay},
-                         eps=eps, seed=seed, master_weights=master_weights, sync_seed=sync_seed)
+                         eps=eps, seed=seed, master_weights=master_weights, sync_seed=sync_seed,
+                         perturbation=perturbation)
         for group in self.param_groups:
             _check_lr_wd(group)
             _check_betas(group["betas"])
@@ -167,13 +171,16 @@ class Helene(ZerothOrderOptimizer):
         seed: Seed of the private generator of per-step seeds.
         master_weights: See :class:`helene.zo.ZerothOrderOptimizer`.
         sync_seed: Broadcast the step seed from rank 0 under ``torch.distributed``.
+        perturbation: ``"gaussian"`` or ``"rademacher"``, see :class:`helene.zo.ZerothOrderOptimizer`. With
+            Rademacher ``z⊙z ≡ 1``: ``"agnb"`` then equals ``"agnb_layer"`` (at a float per parameter) and the
+            curvature estimators, which weigh ``z⊙z − 1``, are identically zero, so they are refused.
     """
 
     def __init__(self, params, lr: float = 1e-6, eps: float = 1e-3, betas=(0.9, 0.99), gamma: float = 1.0,
                  lam: float = 1.0, weight_decay: float = 0.0, hessian_interval: int = 10, anneal: bool = True,
                  anneal_horizon="auto", clip: str = "layer", rho: float = 1.0, hessian: str = "agnb",
                  batch_size: int = 1, layerwise: str | None = None, seed: int = 0, master_weights="auto",
-                 sync_seed: bool = True):
+                 sync_seed: bool = True, perturbation: str = "gaussian"):
         if layerwise is not None:
             params = _regroup(params, layerwise, lam, weight_decay)
             lam = lam.get("default", 1.0) if isinstance(lam, dict) else lam
@@ -188,8 +195,13 @@ class Helene(ZerothOrderOptimizer):
         if not rho > 0:
             raise ValueError(f"rho must be > 0, got {rho!r}")
         self.estimator = get_estimator(hessian)
+        if self.estimator.needs_center and perturbation == "rademacher":
+            raise ValueError(f"hessian={hessian!r} needs a Gaussian perturbation (it weighs z⊙z − 1, which is 0 for "
+                             "every Rademacher z); use perturbation='gaussian' or hessian in "
+                             "('agnb', 'agnb_layer', 'none')")
         defaults = {"lr": lr, "betas": tuple(betas), "gamma": gamma, "lam": lam, "weight_decay": weight_decay}
-        super().__init__(params, defaults, eps=eps, seed=seed, master_weights=master_weights, sync_seed=sync_seed)
+        super().__init__(params, defaults, eps=eps, seed=seed, master_weights=master_weights, sync_seed=sync_seed,
+                         perturbation=perturbation)
         for group in self.param_groups:
             _check_lr_wd(group)
             _check_betas(group["betas"])

@@ -235,3 +235,25 @@ def test_the_result_cache_is_not_git_ignored():
     probe = helene_llm_runs.RUNS.relative_to(repo) / "a_run.json"
     done = subprocess.run(["git", "check-ignore", "-q", str(probe)], cwd=repo, check=False)
     assert done.returncode == 1, f"{probe} is git-ignored (see .gitignore)"
+
+
+def test_follow_ups_come_after_the_core_grid_at_the_lr_they_borrow_and_leave_core_shards_alone(pinned):
+    queue = helene_llm.queue()
+    specs = [s for s, _ in queue if s is not None]
+    follow = helene_llm.phase_specs("followup")
+    assert [(s.task, s.method, s.split_seed) for s in follow] == [
+        (t, m, seed) for m in helene_llm.FOLLOW_UPS for t in helene_llm.FOLLOW_UP_TASKS for seed in helene_llm.SEEDS]
+    assert specs[-len(follow):] == follow  # last: no core run changes position, so no core run changes shard
+    assert all(s.lr == pinned[helene_llm.FOLLOW_UPS[s.method]] and s.steps == helene_llm.MAIN_STEPS for s in follow)
+    main = helene_llm.phase_specs("main")
+    assert not set(main) & set(follow) and {s.method for s in main} == set(helene_llm.PRIORITY)
+    assert set(helene_llm.phase_specs("all")) == set(specs)
+    # Each follow-up builds the optimizer it names.
+    opt = helene_llm_runs.optimizer_factory(follow[0])([torch.nn.Parameter(torch.zeros(2))])
+    assert opt.perturbation == "rademacher" and type(opt).__name__ == "ZOSGD"
+
+
+def test_follow_ups_wait_for_the_sweep_whose_lr_they_borrow(runs_dir):
+    assert helene_llm.phase_specs("followup") == []
+    waiting = [why for s, why in helene_llm.queue() if s is None and "mezo_rademacher" in why]
+    assert waiting and all("waits for mezo's lr sweep" in why for why in waiting)

@@ -148,3 +148,20 @@ def test_a_gain_beyond_a_two_seed_std_but_inside_the_test_sets_sampling_error_is
     zero = {"rte": {"test_acc": 0.451, "n_test": 277}}
     [_, _, row] = helene_llm_report._targets_section(main, zero, ["mezo"], [42, 13])
     assert row == "| MeZO (ZO-SGD) | +0.009 vs 0.003 (0.030): yes | 1 of 1 complete | 0 of 1 |"
+
+
+def test_a_complete_core_grid_says_so_and_lists_only_its_follow_ups(cache, monkeypatch):
+    monkeypatch.setattr(helene_llm, "PINNED_LR", {m: 1e-4 for m in helene_llm.PRIORITY})
+    for spec in helene_llm.zero_shot_specs():
+        _write(spec, 0.5)
+    for spec in helene_llm.phase_specs("main"):
+        _write(spec, 0.6 if spec.method == "mezo" else 0.55, [1.0] * 300, [(300, 0.6)])
+    text = helene_llm_report.write_report(helene_llm.queue()).read_text()
+    left = text.split("## What has not run yet")[1].split("Resume")[0]
+    assert "The core grid is complete; of its follow-ups (`run --phase followup`) these have not run:" in left
+    follow = helene_llm.phase_specs("followup")
+    assert [line for line in left.splitlines() if line.startswith("- ")] == [f"- `{s.run_id}`" for s in follow]
+    # A finished follow-up gets its own row in the task's table, beside MeZO's.
+    _write(follow[0], 0.61, [1.0] * 300, [(300, 0.6)])
+    text = helene_llm_report.write_report(helene_llm.queue()).read_text()
+    assert "| sst2 | MeZO, Rademacher z (follow-up) | 0.0001 | 0.610 (1 seed" in text

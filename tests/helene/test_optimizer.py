@@ -212,7 +212,8 @@ def test_determinism_private_generator_and_global_rng_untouched():
     lambda ps: Helene(ps, lr=1e-2, hessian="curvature", clip="coordinate", hessian_interval=2, seed=9),
     lambda ps: ZOAdam(ps, lr=1e-2, seed=9),
     lambda ps: ZOSGD(ps, lr=1e-2, weight_decay=0.1, seed=9),
-], ids=["helene", "helene-curvature", "zoadam", "zosgd"])
+    lambda ps: Helene(ps, lr=1e-2, hessian_interval=2, seed=9, perturbation="rademacher"),
+], ids=["helene", "helene-curvature", "zoadam", "zosgd", "helene-rademacher"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_resume_reproduces_uninterrupted_run(make, dtype):
     x, y = _data()
@@ -319,7 +320,8 @@ def test_invalid_values_name_the_field():
     for kwargs, field in [({"eps": 0.0}, "eps"), ({"lr": -1.0}, "lr"), ({"betas": (1.0, 0.9)}, "betas"),
                           ({"clip": "x"}, "clip"), ({"hessian": "x"}, "hessian"), ({"lam": -1.0}, "lam"),
                           ({"hessian_interval": 0}, "hessian_interval"), ({"gamma": 0.0}, "gamma"),
-                          ({"anneal_horizon": -1}, "anneal_horizon"), ({"master_weights": "x"}, "master_weights")]:
+                          ({"anneal_horizon": -1}, "anneal_horizon"), ({"master_weights": "x"}, "master_weights"),
+                          ({"perturbation": "x"}, "perturbation")]:
         with pytest.raises(ValueError, match=field):
             Helene(ps, **kwargs)
     with pytest.raises(ValueError, match="closure"):
