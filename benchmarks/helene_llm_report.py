@@ -6,6 +6,7 @@ import json
 import math
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 from benchmarks import helene_llm_runs
@@ -98,6 +99,23 @@ def _batch_below(over: dict[str, float], forward: dict, share: float) -> dict[st
     """Per method, the smallest measured batch whose overhead share ``o / (o + 2·forward)`` is below ``share``."""
     batches = sorted(forward, key=int)
     return {m: next((int(b) for b in batches if o / (o + 2 * forward[b]) < share), None) for m, o in over.items()}
+
+
+def _majority(spec: dict) -> float | None:
+    """Accuracy of always answering the most frequent label of ``spec``'s test set (``None`` without its data).
+
+    The floor a classifier must clear: a zero-shot model can sit below it (RTE's does), and a run that only
+    shifts its predictions towards one label rises to it without learning the task.
+    """
+    from peftplug.errors import DataError, MissingFileError
+    from peftplug.prompt_cls import kshot_files, split_rows
+
+    try:
+        files = kshot_files(helene_llm_runs.DATA_DIR, spec["task"], spec["k"], spec["split_seed"])
+        rows = split_rows(spec["task"], files, spec["k"], spec["split_seed"], spec["max_test"])["test"]
+    except (MissingFileError, DataError):
+        return None
+    return max(Counter(r["label"] for r in rows).values()) / len(rows)
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -268,14 +286,19 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
         "",
         "## Zero-shot",
         "",
-        "| task | template | label words | prompt tokens (mean / max, test) | test examples | test accuracy |",
-        "|---|---|---|---|---|---|",
+        ("| task | template | label words | prompt tokens (mean / max, test) | test examples | test accuracy | "
+         "majority class (test) |"),
+        "|---|---|---|---|---|---|---|",
     ]
+    majority = {task: _majority(r["spec"]) for task, r in zero.items()}
     for task, r in sorted(zero.items()):
         mean_len, max_len = r["token_lengths"]["test"]
         template = r["template"].replace("\n", "\\n").replace("|", "\\|")
         lines.append(f"| {task} | `{template}` | {' / '.join(r['label_words'])} | {mean_len:.1f} / {max_len} | "
-                     f"{r['n_test']} | {r['test_acc']:.3f} |")
+                     f"{r['n_test']} | {r['test_acc']:.3f} | {_fmt(majority[task])} |")
+    lines += ["", ("Majority class: the accuracy of always answering the test set's most frequent label — the "
+                   "floor a trained classifier must clear (a prior shifted towards one label reaches it without "
+                   "learning the task).")]
     probe_path = CACHE / "probe.json"
     if probe_path.is_file():
         lines += ["", ("Rendering probe (zero-shot accuracy on the 64 train + dev examples of split seed 42; chosen "
@@ -318,8 +341,8 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
         lines.append("No run of the core grid has finished yet.")
     else:
         lines += [("| task | optimizer | lr | test accuracy (mean ± std over seeds) | vs zero-shot | final train loss "
-                  "(seed 42) | steps to MeZO's final train loss | steps to MeZO's final dev acc |"),
-                  "|---|---|---|---|---|---|---|---|"]
+                  "(seed 42) | steps to MeZO's final train loss | steps to MeZO's final dev acc | vs majority class |"),
+                  "|---|---|---|---|---|---|---|---|---|"]
         for task in sorted({t for t, _, _ in main}):
             mezo = main.get((task, 42, "mezo"))
             mezo_loss = _final_loss(mezo, 10) if mezo else None
@@ -339,8 +362,10 @@ def write_report(queue: list[tuple[RunSpec | None, str]]) -> Path:
                 if r42 and mezo_acc is not None:
                     hit = _steps_to([(v["step"], v["acc"]) for v in r42["val"]], mezo_acc, below=False)
                     to_acc = "not reached" if hit is None else str(hit)
+                floor = majority.get(task)
+                above = "—" if floor is None else f"{statistics.mean(accs) - floor:+.3f}"
                 lines.append(f"| {task} | {NAMES[method]} | {runs[0]['spec']['lr']:g} | {_mean_std(accs)} | {delta} | "
-                             f"{_fmt(_final_loss(r42, 10)) if r42 else '—'} | {to_loss} | {to_acc} |")
+                             f"{_fmt(_final_loss(r42, 10)) if r42 else '—'} | {to_loss} | {to_acc} | {above} |")
         lines += ["", ("Target: MeZO and HELENE beat zero-shot by more than the seed std on at least two tasks "
                        f"(std over split seeds {', '.join(map(str, SEEDS))}; a task counts once every seed has "
                        "finished). In brackets the test-set SE, sqrt(p(1 − p)/n) at the zero-shot accuracy p on its n "

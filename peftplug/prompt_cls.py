@@ -496,6 +496,29 @@ def kshot_files(data_dir: str | Path, task: str, k: int, split_seed: int) -> dic
             "test": (split if spec.test_in_split else root) / f"{spec.test_name}{spec.suffix}"}
 
 
+def split_rows(task: str, files: dict[str, Path], k: int, split_seed: int,
+               max_test: int | None = None) -> dict[str, list[dict[str, str]]]:
+    """The untokenized rows of each split, exactly as :class:`PromptClassificationData` uses them.
+
+    Args:
+        task: A key of :data:`PROMPT_TASKS`.
+        files: :func:`kshot_files`' result for the split.
+        k: Shots per class (a pooled task draws its splits with it).
+        split_seed: The split's seed.
+        max_test: Keep at most this many test rows, a fixed random subset (the same for every split seed).
+    """
+    spec = get_task(task)
+    pooled = (sample_pool_splits(_read_rows(files["train"], spec), spec.labels, k, split_seed)
+              if spec.suffix == ".jsonl" else None)
+    out = {}
+    for split, path in files.items():
+        rows = pooled[split] if pooled is not None else _read_rows(path, spec)
+        if split == "test" and max_test is not None and len(rows) > max_test:
+            rows = random.Random(0).sample(rows, max_test)
+        out[split] = rows
+    return out
+
+
 def get_task(name: str) -> PromptTask:
     """Looks up a built-in task.
 
@@ -590,12 +613,7 @@ class PromptClassificationData(_TokenizedDataModule):
         _, space = split_template(self.template)
         self.label_word_ids = label_word_ids(tokenizer, self.words, space and self.format == "plain",
                                              self.multi_token)
-        pooled = (sample_pool_splits(_read_rows(self.files["train"], self.task), self.task.labels, self.k,
-                                     self.split_seed) if self.task.suffix == ".jsonl" else None)
-        for split, path in self.files.items():
-            rows = pooled[split] if pooled is not None else _read_rows(path, self.task)
-            if split == "test" and self.max_test is not None and len(rows) > self.max_test:
-                rows = random.Random(0).sample(rows, self.max_test)
+        for split, rows in split_rows(self.task.name, self.files, self.k, self.split_seed, self.max_test).items():
             self.splits[split] = [
                 {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": self.task.labels.index(row["label"])}
                 for row in rows

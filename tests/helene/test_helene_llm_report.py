@@ -165,3 +165,21 @@ def test_a_complete_core_grid_says_so_and_lists_only_its_follow_ups(cache, monke
     _write(follow[0], 0.61, [1.0] * 300, [(300, 0.6)])
     text = helene_llm_report.write_report(helene_llm.queue()).read_text()
     assert "| sst2 | MeZO, Rademacher z (follow-up) | 0.0001 | 0.610 (1 seed" in text
+
+
+def test_the_majority_class_floor_is_read_from_the_test_file(cache, data_dir, monkeypatch):
+    monkeypatch.setattr(helene_llm_runs, "DATA_DIR", data_dir)
+    monkeypatch.setattr(helene_llm, "PINNED_LR", {m: 1e-4 for m in helene_llm.PRIORITY})
+    for spec in helene_llm.zero_shot_specs():
+        _write(spec, 0.5)
+    # Reference: the label column of RTE's test file, counted here (the grid uses every one of its rows).
+    lines = (data_dir / "k-shot" / "RTE" / "test.tsv").read_text(encoding="utf-8").splitlines()[1:]
+    labels = [line.split("\t")[-1] for line in lines if line]
+    floor = max(labels.count(v) for v in set(labels)) / len(labels)
+    rte = next(s for s in helene_llm.phase_specs("main") if s.task == "rte" and s.method == "mezo")
+    _write(rte, 0.46, [1.0] * 300, [(300, 0.5)])
+    text = helene_llm_report.write_report(helene_llm.queue()).read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| rte | `"))
+    assert row.endswith(f"| {len(labels)} | 0.500 | {floor:.3f} |")
+    mezo = next(line for line in text.splitlines() if line.startswith("| rte | MeZO"))
+    assert mezo.endswith(f"| {0.46 - floor:+.3f} |")
