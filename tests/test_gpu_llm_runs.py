@@ -61,6 +61,7 @@ def test_run_stage_starts_every_job_and_logs_each_exit_status(tmp_path):
     helene = [c for c in calls if "benchmarks.helene_llm run" in c]
     assert sorted(c.split("--shard ")[1].split()[0] for c in helene if "--phase first" in c) == [f"{i}/6" for i in range(6)]
     assert sum("--phase main" in c for c in helene) == 6 and all("--device cuda" in c for c in helene)
+    assert sorted(c.split("--shard ")[1].split()[0] for c in helene if "--phase followup" in c) == ["0/2", "1/2"]
     assert sum("--stage targets" in c for c in calls) == 12  # 4 targets x seeds 13, 42, 21
     assert sum("benchmarks.steering_llm" in c and "--shard" in c for c in calls) == 13  # 6 sst2 + 6 weddings + overhead
     log = (out / "llm_runs.log").read_text()

@@ -85,6 +85,8 @@ print(f'converted in {time.time() - t:.0f} s')" 2>&1 | tee -a "$LOG"
       --device cuda --no-report & done; wait
     for i in 0 1 2 3 4 5; do job helene_main_$i $PY -m benchmarks.helene_llm run --phase main --shard $i/6 \
       --device cuda --no-report & done; wait
+    for i in 0 1; do job helene_followup_$i $PY -m benchmarks.helene_llm run --phase followup --shard $i/2 \
+      --device cuda --no-report & done; wait
     job helene_memory $PY -m benchmarks.helene_llm memory --device cuda --no-report
   ) &
   if [ -f benchmarks/gpu/llm_runs_pct.sh ]; then (source benchmarks/gpu/llm_runs_pct.sh) & fi
