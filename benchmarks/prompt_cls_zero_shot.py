@@ -6,7 +6,7 @@ learned by any optimizer at this scale? This scan is the cheap first look: each 
 set's most frequent label. It cannot say which task is learnable (SST-2's zero-shot sits at its floor too, and MeZO
 lifts it by 0.18); it says where the model starts and how skewed each test set is. Run::
 
-    .venv/bin/python -m benchmarks.prompt_cls_zero_shot            # all candidates, ≈ 11 min on one CPU core
+    .venv/bin/python -m benchmarks.prompt_cls_zero_shot            # all candidates, ≈ 10 min on one CPU core
     .venv/bin/python -m benchmarks.prompt_cls_zero_shot mrpc qnli  # some
 
 and it writes ``benchmarks/results/prompt_cls_zero_shot.json`` and ``docs/benchmarks/prompt_cls_zero_shot.md``.
