@@ -305,11 +305,11 @@ def memory() -> None:
 
 def probe() -> None:
     """Zero-shot accuracy of both renderings on the seed-42 train+dev examples (64 per binary task)."""
-    import torch
+    from itertools import chain
 
     from benchmarks.helene_llm_runs import DATA_DIR, MODEL
     from peftplug.loading import load_model, load_tokenizer
-    from peftplug.prompt_cls import PromptClassificationData, prompt_cls_forward
+    from peftplug.prompt_cls import PromptClassificationData, predict_labels
 
     tokenizer = load_tokenizer(MODEL)
     model = load_model(MODEL, "prompt_cls").eval()
@@ -320,13 +320,9 @@ def probe() -> None:
                                             batch_size=16, max_test=1)
             data.tokenizer = tokenizer
             data.setup()
-            correct = total = 0
-            for split in ("train", "validation"):
-                for batch in data._loader(split, shuffle=False):
-                    with torch.no_grad():
-                        out = prompt_cls_forward(model, batch)
-                    correct += int((out.logits.argmax(-1) == batch["labels"]).sum())
-                    total += len(batch["labels"])
+            predicted, labels = predict_labels(
+                model, chain(*(data._loader(split, shuffle=False) for split in ("train", "validation"))))
+            correct, total = int((predicted == labels).sum()), len(labels)
             lengths = data.token_lengths()
             rows.append({"task": task, "format": fmt, "acc": correct / total, "n": total, "template": data.template,
                          "label_words": list(data.words), "mean_tokens": lengths["train"][0],

@@ -31,6 +31,7 @@ import csv
 import random
 import re
 import string
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -373,6 +374,24 @@ def prompt_cls_forward(model: torch.nn.Module, batch: dict) -> PromptClsOutput:
     labels = batch.get("labels")
     loss = None if labels is None else F.cross_entropy(logits.float(), labels.to(logits.device))
     return PromptClsOutput(loss=loss, logits=logits)
+
+
+def predict_labels(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The predicted class (argmax over the label words) and the gold class of every example, without gradients.
+
+    Args:
+        model: A causal LM (optionally PEFT-wrapped), in the mode the caller wants (eval for a zero-shot score).
+        batches: Prompt-classification batches with ``labels`` (see :func:`prompt_cls_forward`).
+
+    Returns:
+        ``(predicted, labels)``, two 1-D tensors of class indices on the CPU, in the batches' order.
+    """
+    predicted, labels = [], []
+    with torch.no_grad():
+        for batch in batches:
+            predicted.append(prompt_cls_forward(model, batch).logits.argmax(-1).cpu())
+            labels.append(batch["labels"].cpu())
+    return torch.cat(predicted), torch.cat(labels)
 
 
 # ------------------------------------------------------------------------------------------------------ data

@@ -14,6 +14,7 @@ from peftplug.prompt_cls import (
     PromptClassificationData,
     label_word_ids,
     label_word_logits,
+    predict_labels,
     prompt_cls_forward,
     render_prompt,
     split_template,
@@ -287,6 +288,16 @@ def test_peft_module_prompt_cls_trains_and_reports_label_word_accuracy(tiny_mode
     acc = (torch.cat([o.logits.argmax(-1) for o in outs]) == labels).float().mean().item()
     loss = torch.stack([o.loss for o in outs]).mean().item()  # equal batch sizes: mean of means
     assert metrics["test_acc"] == pytest.approx(acc) and metrics["test_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_predict_labels_is_the_argmax_of_each_batch_in_order(llama):
+    batches = _Batches(3, size=4, seed=2).items
+    predicted, labels = predict_labels(llama, batches)
+    with torch.no_grad():
+        expected = torch.cat([prompt_cls_forward(llama, b).logits.argmax(-1) for b in batches])
+    assert torch.equal(predicted, expected)
+    assert torch.equal(labels, torch.cat([b["labels"] for b in batches]))
+    assert predicted.shape == (12,) and not predicted.requires_grad
 
 
 def test_zeroth_order_closure_is_the_label_word_loss(tiny_model):
