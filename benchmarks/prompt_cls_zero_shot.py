@@ -85,8 +85,14 @@ def render(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("tasks", nargs="*", default=list(CANDIDATES), help="tasks to scan (default: all)")
+    from peftplug.prompt_cls import PROMPT_TASKS
+
+    # Not choices=: Python 3.11's argparse checks a list default of nargs="*" against them as one value.
+    parser.add_argument("tasks", nargs="*", default=list(CANDIDATES), help="tasks to scan (default: the candidates)")
     args = parser.parse_args()
+    unknown = [t for t in args.tasks if t not in PROMPT_TASKS]
+    if unknown:  # one usage line listing the known tasks, before the model loads
+        parser.error(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(sorted(PROMPT_TASKS))}")
     from peftplug.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(MODEL)
