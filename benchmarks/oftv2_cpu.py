@@ -72,7 +72,7 @@ class WeightCentricOFT(nn.Module):
         self.q = nn.Parameter(torch.zeros(n_blocks, block_size * (block_size - 1) // 2))
 
     def forward(self, x):
-        from kernels import ops
+        from peftplug_kernels import ops
 
         blocks = ops.cayley_neumann(
             self.q, self.block_size, terms=self.terms, form="cayley_neumann", impl="torch"

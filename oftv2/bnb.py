@@ -2,7 +2,7 @@
 (``Linear8bitLt``) bases.
 
 Forward: rotate the input block-wise (the adapter stays fp32/bf16), then call the quantized layer unchanged. On
-CUDA with Triton, a single active adapter on a 4-bit base runs the fused ``kernels.ops.nf4_rotate_matmul``
+CUDA with Triton, a single active adapter on a 4-bit base runs the fused ``peftplug_kernels.ops.nf4_rotate_matmul``
 (rotation in the GEMM prologue, 4-bit dequantized on the fly) instead.
 
 Merge into a quantized base: dequantize -> ``W Rᵀ`` (fp32) -> requantize with the same quant type, blocksize,
@@ -26,7 +26,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from kernels import ops
+from peftplug_kernels import ops
 
 from .config import OFTv2Config
 from .layer import Linear

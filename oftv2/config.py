@@ -9,7 +9,7 @@ from typing import Literal
 
 from peft.config import PeftConfig
 
-# Orthogonalisation forms (the names kernels.ops.cayley_neumann accepts).
+# Orthogonalisation forms (the names peftplug_kernels.ops.cayley_neumann accepts).
 ORTHOGONALIZATIONS = ("cayley_neumann", "cayley", "peft_cn")
 # Forms built from a truncated Neumann series: they converge only for ||Q||_2 < 1.
 NEUMANN_FORMS = ("cayley_neumann", "peft_cn")

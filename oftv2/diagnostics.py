@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.cayley_neumann.reference import skew_from_triangle
+from peftplug_kernels.cayley_neumann.reference import skew_from_triangle
 
 from .config import NEUMANN_FORMS
 from .layer import OFTv2Layer

@@ -46,7 +46,7 @@ from peft import OFTConfig
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from kernels import ops
+from peftplug_kernels import ops
 from peftplug.fileio import atomic_write
 
 from .config import OFTv2Config

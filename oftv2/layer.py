@@ -1,7 +1,7 @@
 """OFTv2 tuner layers: rotate the input block-wise, then call the untouched base layer.
 
 Conventions (row vectors, PyTorch weight layout ``W``: out × in, ``y = x Wᵀ + b``):
-    forward   ``y = base_layer(x R)`` with ``R`` block-diagonal (``kernels.ops.block_rotate``);
+    forward   ``y = base_layer(x R)`` with ``R`` block-diagonal (``peftplug_kernels.ops.block_rotate``);
     merge     ``W' = W Rᵀ`` (so that ``x' Wᵀ = x (W Rᵀ)ᵀ``);
     unmerge   ``W = W' R⁻ᵀ`` computed with a linear solve, exact even when a truncated Neumann series
               made ``R`` slightly non-orthogonal.
@@ -24,8 +24,8 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
 from torch import nn
 
-from kernels import ops
-from kernels.cayley_neumann.reference import triangle_size
+from peftplug_kernels import ops
+from peftplug_kernels.cayley_neumann.reference import triangle_size
 
 from .config import OFTv2Config
 

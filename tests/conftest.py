@@ -20,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = Path(os.environ.get("PEFTPLUG_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
 
 # Where the kernel and QOFT tests run. By default on CPU, the Triton kernels through Triton's interpreter: Triton
-# reads TRITON_INTERPRET when a kernel is decorated, i.e. at the first import of a kernels/*/triton.py module, and
+# reads TRITON_INTERPRET when a kernel is decorated, i.e. at the first import of a peftplug_kernels/*/triton.py module, and
 # those are imported lazily, so setting it here, before any test module is collected, is early enough for the
 # single-process suite (tests/kernels/conftest.py explains the one catch). On a CUDA machine
 # PEFTPLUG_KERNELS_ON_GPU=1 (benchmarks/gpu/run_all.sh sets it) runs them on the GPU with compiled kernels, and

@@ -1,5 +1,5 @@
 """DESIGN.md §2's one-way dependencies, checked on the source: at module level a method package imports only the
-leaves (``peftplug.registry``, ``peftplug.fileio``, ``peftplug.errors``, ``kernels``), and the leaves import no
+leaves (``peftplug.registry``, ``peftplug.fileio``, ``peftplug.errors``, ``peftplug_kernels``), and the leaves import no
 package of ours but each other. Imports inside functions (the CLIs' lazy use of the trainer) are allowed: they do
 not run when the package is imported, so they cannot create an import cycle."""
 
@@ -12,8 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 METHOD_PACKAGES = ("oftv2", "helene", "prompt_transfer", "steering")
-OURS = {"peftplug", "kernels", *METHOD_PACKAGES}
-LEAVES = {"peftplug.registry", "peftplug.fileio", "peftplug.errors", "kernels"}
+OURS = {"peftplug", "peftplug_kernels", *METHOD_PACKAGES}
+LEAVES = {"peftplug.registry", "peftplug.fileio", "peftplug.errors", "peftplug.datadir", "peftplug_kernels"}
 
 
 def module_level_imports(path: Path) -> set[str]:
@@ -48,8 +48,8 @@ def test_a_method_package_imports_only_the_leaves_at_module_level(package):
 
 
 def test_the_leaves_import_no_method_package_or_trainer():
-    paths = [ROOT / "peftplug" / f"{leaf}.py" for leaf in ("registry", "fileio", "errors")]
-    paths += sorted((ROOT / "kernels").rglob("*.py"))
+    paths = [ROOT / "peftplug" / f"{leaf}.py" for leaf in ("registry", "fileio", "errors", "datadir")]
+    paths += sorted((ROOT / "peftplug_kernels").rglob("*.py"))
     stray = {f"{path.relative_to(ROOT)}: {name}" for path in paths for name in module_level_imports(path)
              if not is_leaf(name)}
     assert not stray, f"a leaf imports beyond the leaves: {sorted(stray)}"

@@ -86,7 +86,7 @@ def _peak_mib(fn, device: str) -> float:
 def bench_block_rotate(cfg: dict, device: str, dtype, reps: int) -> list[dict]:
     import torch
 
-    from kernels import ops
+    from peftplug_kernels import ops
 
     measure = _timer(device)
     x = torch.randn(cfg["tokens"], cfg["width"], device=device, dtype=dtype, requires_grad=True)
@@ -115,7 +115,7 @@ def bench_cayley_neumann(cfg: dict, device: str, reps: int) -> list[dict]:
     """Triangle vectors -> rotation blocks for one ``width``-wide layer: the fused kernel vs the torch reference."""
     import torch
 
-    from kernels import ops
+    from peftplug_kernels import ops
 
     measure = _timer(device)
     b = cfg["block"]
@@ -142,7 +142,7 @@ def bench_nf4(cfg: dict, device: str, dtype, reps: int) -> list[dict]:
     import bitsandbytes as bnb
     import torch
 
-    from kernels import ops
+    from peftplug_kernels import ops
 
     measure = _timer(device)
     layer = bnb.nn.Linear4bit(cfg["width"], cfg["out"], bias=False, compute_dtype=dtype, quant_type="nf4",
@@ -190,7 +190,7 @@ def bench_dequantize(cfg: dict, device: str, dtype, reps: int) -> list[dict]:
     import bitsandbytes.functional as bnbf
     import torch
 
-    from kernels import ops
+    from peftplug_kernels import ops
 
     measure = _timer(device)
     packed, state = bnbf.quantize_4bit(torch.randn(cfg["out"], cfg["width"], device=device, dtype=dtype) * 0.02,
@@ -392,7 +392,7 @@ def main(argv=None) -> dict:
     if args.merge_docs:
         merge_docs(args.merge_docs)
         return {}
-    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1" and "kernels.block_rotate.triton" not in sys.modules:
+    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1" and "peftplug_kernels.block_rotate.triton" not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     import torch
 

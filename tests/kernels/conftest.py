@@ -16,7 +16,7 @@ import torch
 @pytest.fixture
 def needs_triton():
     """Skips the test cleanly when Triton is not installed (it is the optional ``triton`` extra)."""
-    from kernels._triton_available import triton_available
+    from peftplug_kernels._triton_available import triton_available
 
     if not triton_available():
         pytest.skip("triton is not installed")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops
-from kernels.block_rotate import reference
+from peftplug_kernels import ops
+from peftplug_kernels.block_rotate import reference
 
 pytestmark = pytest.mark.usefixtures("needs_triton")
 

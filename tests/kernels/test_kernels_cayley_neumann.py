@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops
-from kernels.cayley_neumann import reference
+from peftplug_kernels import ops
+from peftplug_kernels.cayley_neumann import reference
 
 pytestmark = pytest.mark.usefixtures("needs_triton")
 

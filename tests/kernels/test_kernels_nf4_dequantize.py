@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops
-from kernels.nf4_dequantize import reference
+from peftplug_kernels import ops
+from peftplug_kernels.nf4_dequantize import reference
 
 bnbf = pytest.importorskip("bitsandbytes.functional")
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import ops
-from kernels.block_rotate.reference import block_rotate
-from kernels.nf4_dequantize import reference
+from peftplug_kernels import ops
+from peftplug_kernels.block_rotate.reference import block_rotate
+from peftplug_kernels.nf4_dequantize import reference
 
 bnbf = pytest.importorskip("bitsandbytes.functional")
 

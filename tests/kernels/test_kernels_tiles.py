@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels._tiles import block_tile, fit_tiles
+from peftplug_kernels._tiles import block_tile, fit_tiles
 
 H200 = 132
 

@@ -10,7 +10,7 @@ from oftv2_helpers import randomize_q
 from torch import nn
 
 import oftv2  # noqa: F401
-from kernels.cayley_neumann.reference import cayley_neumann
+from peftplug_kernels.cayley_neumann.reference import cayley_neumann
 from oftv2 import OFTv2Config, oftv2_config_from_oft, state_dict_from_peft_oft
 from oftv2.conv import Conv2d
 

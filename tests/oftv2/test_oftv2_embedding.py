@@ -10,7 +10,7 @@ from peft import PeftModel
 from torch import nn
 
 import oftv2  # noqa: F401
-from kernels.cayley_neumann.reference import cayley_neumann
+from peftplug_kernels.cayley_neumann.reference import cayley_neumann
 from oftv2 import (
     OFTv2Config,
     export_peft_oft_adapter,

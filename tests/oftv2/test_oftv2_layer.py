@@ -9,7 +9,7 @@ from oftv2_helpers import randomize_q
 from transformers.pytorch_utils import Conv1D
 
 import oftv2  # noqa: F401
-from kernels.cayley_neumann.reference import cayley_neumann
+from peftplug_kernels.cayley_neumann.reference import cayley_neumann
 from oftv2 import OFTv2Config, OFTv2Layer
 
 
@@ -215,7 +215,7 @@ def test_max_q_norm_bounds_each_block():
     with torch.no_grad():
         layer.oftv2_Q["default"].copy_(torch.randn(4, 28))
         layer.oftv2_Q["default"][0].mul_(1e-3)  # inside the bound: untouched
-    from kernels.cayley_neumann.reference import skew_from_triangle
+    from peftplug_kernels.cayley_neumann.reference import skew_from_triangle
 
     q = skew_from_triangle(layer.effective_q("default"), 8)
     norms = torch.linalg.matrix_norm(q)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import oftv2  # noqa: F401
-from kernels import ops
-from kernels.cayley_neumann.reference import skew_from_triangle
+from peftplug_kernels import ops
+from peftplug_kernels.cayley_neumann.reference import skew_from_triangle
 from oftv2 import OFTv2Config
 from oftv2.layer import bound_q
 

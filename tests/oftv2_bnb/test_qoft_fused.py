@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import oftv2
-from kernels._triton_available import triton_usable
+from peftplug_kernels._triton_available import triton_usable
 from oftv2 import bnb as qoft
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -23,7 +23,7 @@ def test_run_all_script_parses():
 
 
 def test_gpu_benchmark_dry_run(tmp_path):
-    from kernels._triton_available import triton_available
+    from peftplug_kernels._triton_available import triton_available
 
     if not triton_available():
         pytest.skip("triton is not installed")
@@ -45,7 +45,7 @@ def test_gpu_benchmark_dry_run(tmp_path):
 
 def test_gpu_benchmark_dry_run_without_bitsandbytes(tmp_path):
     # The H200 image has no bitsandbytes: the script must still time the other kernels and render a section.
-    from kernels._triton_available import triton_available
+    from peftplug_kernels._triton_available import triton_available
 
     if not triton_available():
         pytest.skip("triton is not installed")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import oftv2
-from kernels.block_rotate.reference import block_rotate
+from peftplug_kernels.block_rotate.reference import block_rotate
 from oftv2 import bnb as qoft
 
 bnb = pytest.importorskip("bitsandbytes")

@@ -1,6 +1,6 @@
 """The one place that imports Triton: a cached availability check and the interpreter-mode flag.
 
-Every other module asks :func:`triton_available` before importing a ``kernels/*/triton.py`` module. Triton is
+Every other module asks :func:`triton_available` before importing a ``peftplug_kernels/*/triton.py`` module. Triton is
 optional (the ``triton`` extra); without it every op runs its pure-torch reference.
 """
 
@@ -41,7 +41,7 @@ def load_kernel_module(name: str) -> ModuleType:
     """
     if not triton_available():
         raise RuntimeError("impl='triton' needs the optional dependency triton (pip install 'peftplug[triton]')")
-    return importlib.import_module(f"kernels.{name}.triton")
+    return importlib.import_module(f"peftplug_kernels.{name}.triton")
 
 
 def triton_usable(name: str, *tensors: torch.Tensor) -> tuple[bool, str]:
@@ -66,7 +66,7 @@ def triton_usable(name: str, *tensors: torch.Tensor) -> tuple[bool, str]:
     module = load_kernel_module(name)
     if not getattr(module, "INTERPRETED", False):
         return False, (
-            f"kernels.{name}.triton was imported before TRITON_INTERPRET=1 was set, so its kernels are compiled "
+            f"peftplug_kernels.{name}.triton was imported before TRITON_INTERPRET=1 was set, so its kernels are compiled "
             "for GPU; set the variable before the first import"
         )
     return True, ""

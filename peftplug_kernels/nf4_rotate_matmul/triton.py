@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tiles import block_tile, dot_precision, fit_tiles, next_pow2
-from kernels.nf4_dequantize.reference import kernel_quant_state, packed_bytes
+from peftplug_kernels._tiles import block_tile, dot_precision, fit_tiles, next_pow2
+from peftplug_kernels.nf4_dequantize.reference import kernel_quant_state, packed_bytes
 
 
 @triton.jit
@@ -102,7 +102,7 @@ def gpu_launch(bb: int, half: bool) -> tuple[int, int, int, int]:
     """``(BLOCK_T, BLOCK_N, num_stages, num_warps)`` for a rotation-block tile ``bb`` (16, 32, 64 or 128).
 
     Args:
-        bb: Power-of-two tile holding one rotation block (:func:`kernels._tiles.block_tile`).
+        bb: Power-of-two tile holding one rotation block (:func:`peftplug_kernels._tiles.block_tile`).
         half: Whether the inputs are fp16/bf16 (half-precision main dot).
     """
     return _GPU_LAUNCH[(max(32, bb), half)]

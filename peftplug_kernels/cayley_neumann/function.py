@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_available import load_kernel_module
+from peftplug_kernels._triton_available import load_kernel_module
 
 
 class CayleyNeumannFunction(torch.autograd.Function):
@@ -30,7 +30,7 @@ class CayleyNeumannFunction(torch.autograd.Function):
 
 
 def cayley_neumann(q_vec: torch.Tensor, block_size: int, terms: int, form: str) -> torch.Tensor:
-    """Differentiable Triton Cayley–Neumann map (arguments validated by :func:`kernels.ops.cayley_neumann`).
+    """Differentiable Triton Cayley–Neumann map (arguments validated by :func:`peftplug_kernels.ops.cayley_neumann`).
 
     Args:
         q_vec: ``[n_blocks, b(b-1)/2]``.

@@ -1,6 +1,6 @@
 """Pure-torch reference for y = (x R) deq(W)ᵀ + bias over a bitsandbytes 4-bit weight (the oracle, the CPU path).
 
-The 4-bit format and its dequantization live in :mod:`kernels.nf4_dequantize.reference`.
+The 4-bit format and its dequantization live in :mod:`peftplug_kernels.nf4_dequantize.reference`.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.block_rotate.reference import block_rotate
-from kernels.nf4_dequantize.reference import dequantize_4bit
+from peftplug_kernels.block_rotate.reference import block_rotate
+from peftplug_kernels.nf4_dequantize.reference import dequantize_4bit
 
 
 def nf4_rotate_matmul(x: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, quant_state,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_available import load_kernel_module
+from peftplug_kernels._triton_available import load_kernel_module
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -16,7 +16,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 class BlockRotateFunction(torch.autograd.Function):
-    """``BlockRotateFunction.apply(x, rotation)``: Triton forward and backward of :func:`kernels.ops.block_rotate`."""
+    """``BlockRotateFunction.apply(x, rotation)``: Triton forward and backward of :func:`peftplug_kernels.ops.block_rotate`."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,7 @@ class BlockRotateFunction(torch.autograd.Function):
 
 
 def block_rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """Differentiable Triton block rotation (shapes validated by :func:`kernels.ops.block_rotate`).
+    """Differentiable Triton block rotation (shapes validated by :func:`peftplug_kernels.ops.block_rotate`).
 
     Args:
         x: ``[..., n_blocks * b]``.

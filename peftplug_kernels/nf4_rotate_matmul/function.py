@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton_available import load_kernel_module
+from peftplug_kernels._triton_available import load_kernel_module
 
 
 class NF4RotateMatmulFunction(torch.autograd.Function):
@@ -47,7 +47,7 @@ class NF4RotateMatmulFunction(torch.autograd.Function):
 
 
 def nf4_rotate_matmul(x, rotation, weight, quant_state, bias=None):
-    """Differentiable fused rotate + 4-bit matmul (arguments validated by :func:`kernels.ops.nf4_rotate_matmul`).
+    """Differentiable fused rotate + 4-bit matmul (arguments validated by :func:`peftplug_kernels.ops.nf4_rotate_matmul`).
 
     Args:
         x: ``[..., in]``.

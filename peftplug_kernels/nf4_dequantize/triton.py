@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tiles import next_pow2
-from kernels.nf4_dequantize.reference import kernel_quant_state, packed_bytes
+from peftplug_kernels._tiles import next_pow2
+from peftplug_kernels.nf4_dequantize.reference import kernel_quant_state, packed_bytes
 
 
 @triton.jit

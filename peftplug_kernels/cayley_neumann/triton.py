@@ -4,7 +4,7 @@ One program per block. The forward unpacks the strict upper triangle into Q (Q[i
 registers and evaluates R = I + Σ_{k=1..n-1} c_k Qᵏ (c_k = 2, except c_{n-1} = 1 for PEFT's product form).
 The backward evaluates dL/dQ = Σ_k c_k M_k with M_1 = G, M_{k+1} = Qᵀ M_k + G (Qᵀ)ᵏ and folds it back onto the
 triangle: dq[i<j] = dQ[i, j] − dQ[j, i]. Everything is fp32 in registers, so blocks are limited to
-``kernels.ops.CN_TRITON_MAX_BLOCK`` (64; a 128-wide tile took minutes to compile for sm_90).
+``peftplug_kernels.ops.CN_TRITON_MAX_BLOCK`` (64; a 128-wide tile took minutes to compile for sm_90).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tiles import block_tile
+from peftplug_kernels._tiles import block_tile
 
 
 @triton.jit
@@ -106,7 +106,7 @@ def cayley_neumann_forward(q_vec: torch.Tensor, block_size: int, terms: int, for
 
     Args:
         q_vec: Contiguous triangle vectors.
-        block_size: b (<= ``kernels.ops.CN_TRITON_MAX_BLOCK``).
+        block_size: b (<= ``peftplug_kernels.ops.CN_TRITON_MAX_BLOCK``).
         terms: Series length n.
         form: ``"cayley_neumann"`` or ``"peft_cn"``.
     """

@@ -12,11 +12,11 @@ import math
 
 import torch
 
-from kernels._triton_available import load_kernel_module, triton_available, triton_usable
-from kernels.block_rotate import reference as _rotate_ref
-from kernels.cayley_neumann import reference as _cn_ref
-from kernels.nf4_dequantize import reference as _deq_ref
-from kernels.nf4_rotate_matmul import reference as _nf4_ref
+from peftplug_kernels._triton_available import load_kernel_module, triton_available, triton_usable
+from peftplug_kernels.block_rotate import reference as _rotate_ref
+from peftplug_kernels.cayley_neumann import reference as _cn_ref
+from peftplug_kernels.nf4_dequantize import reference as _deq_ref
+from peftplug_kernels.nf4_rotate_matmul import reference as _nf4_ref
 
 IMPLS = ("auto", "torch", "triton")
 # Largest rotation blocks the register-resident Cayley–Neumann and fused NF4 kernels handle.
@@ -87,7 +87,7 @@ def cayley_neumann(
             f"[2, {CN_TRITON_MAX_BLOCK}]; got form={form!r}, block_size={block_size}"
         )
     if kernel_fits and resolve_impl(impl, q_vec, op="cayley_neumann") == "triton":
-        from kernels.cayley_neumann.function import cayley_neumann as fused
+        from peftplug_kernels.cayley_neumann.function import cayley_neumann as fused
 
         return fused(q_vec, block_size, terms, form)
     _check_impl(impl)
@@ -114,7 +114,7 @@ def block_rotate(x: torch.Tensor, rotation: torch.Tensor, impl: str = "auto") ->
     """
     _check_rotation(x.shape[-1], rotation)
     if resolve_impl(impl, x, rotation, op="block_rotate") == "triton":
-        from kernels.block_rotate.function import block_rotate as fused
+        from peftplug_kernels.block_rotate.function import block_rotate as fused
 
         return fused(x, rotation)
     return _rotate_ref.block_rotate(x, rotation)
@@ -167,7 +167,7 @@ def nf4_rotate_matmul(
         _check_impl(impl)
         return _nf4_ref.nf4_rotate_matmul(x, rotation, weight, quant_state, bias)
     if resolve_impl(impl, *tensors, op="nf4_rotate_matmul") == "triton":
-        from kernels.nf4_rotate_matmul.function import nf4_rotate_matmul as fused
+        from peftplug_kernels.nf4_rotate_matmul.function import nf4_rotate_matmul as fused
 
         return fused(x, rotation, weight, quant_state, bias)
     return _nf4_ref.nf4_rotate_matmul(x, rotation, weight, quant_state, bias)

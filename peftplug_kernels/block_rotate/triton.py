@@ -5,7 +5,7 @@ Two kernels cover forward and backward:
     ``_block_atb_kernel``  dR_blk = Σ_t A[t, blk]ᵀ B[t, blk] — the reduction over tokens for dR.
 Inputs may be fp16/bf16/fp32; tiles are cast to fp32 before ``tl.dot`` (the accumulate precision we want, and
 bf16 ``tl.dot`` is wrong in the interpreter). Import this module only through
-:func:`kernels._triton_available.load_kernel_module`, after ``TRITON_INTERPRET`` has its final value.
+:func:`peftplug_kernels._triton_available.load_kernel_module`, after ``TRITON_INTERPRET`` has its final value.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tiles import block_tile, dot_precision, next_pow2
+from peftplug_kernels._tiles import block_tile, dot_precision, next_pow2
 
 
 @triton.jit
