@@ -26,6 +26,12 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from peftplug.quantized_layout import (
+    RepackedWeightError,
+    is_repacked,
+    keep_exact_4bit_layout,
+    repacked_message,
+)
 from peftplug_kernels import ops
 
 from .config import OFTv2Config
@@ -56,32 +62,29 @@ def _loaded_bnb_class(name: str) -> type | None:
     return getattr(module, name, None) if module is not None else None
 
 
-def _standard_4bit_layout(base: nn.Module, dtype: torch.dtype | None = None) -> None:
-    """Undoes bitsandbytes' CPU inference repacking (done in place by ``Linear4bit.forward`` in eval mode on
-    AVX512-BF16 CPUs), so the weight is back in the portable packed format our dequantization reads.
+def _exact_4bit_weight(base: nn.Module, layer_name: str = "") -> Any:
+    """The portable 4-bit weight of a ``Linear4bit``; refuses one that bitsandbytes' CPU inference repacked.
 
     Args:
         base: A bitsandbytes ``Linear4bit``.
-        dtype: The state's original dequantization dtype (the repacking rewrites it to bf16), if known.
+        layer_name: Its qualified name, for the error message.
+
+    Raises:
+        RepackedWeightError: The weight was repacked in place by an eval forward before the adapter protected it
+            (bitsandbytes' inverse rounds the scales to bf16, so the exact weight is gone).
     """
-    weight = base.weight
-    if getattr(weight.quant_state, "packing_format_for_cpu", False):
-        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
-
-        weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
-        if dtype is not None:
-            weight.quant_state.dtype = dtype
+    if is_repacked(base):
+        raise RepackedWeightError(repacked_message([layer_name or type(base).__name__]))
+    return base.weight
 
 
-def dequantize_4bit_weight(base: nn.Module, dtype: torch.dtype | None = None) -> torch.Tensor:
+def dequantize_4bit_weight(base: nn.Module) -> torch.Tensor:
     """The fp32 ``out × in`` weight of a ``Linear4bit`` (what its forward multiplies by).
 
     Args:
-        base: A bitsandbytes ``Linear4bit``.
-        dtype: Passed to :func:`_standard_4bit_layout`.
+        base: A bitsandbytes ``Linear4bit`` in the portable layout (see :mod:`peftplug.quantized_layout`).
     """
-    _standard_4bit_layout(base, dtype)
-    weight = base.weight
+    weight = _exact_4bit_weight(base)
     return _bnb().functional.dequantize_4bit(weight.data, weight.quant_state).float()
 
 
@@ -291,19 +294,16 @@ class Linear4bit(_QuantizedOFTv2):
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config: OFTv2Config, **kwargs: Any) -> None:
         base = _base_of(base_layer)
-        state = getattr(base.weight, "quant_state", None)
-        # Remembered because bitsandbytes' CPU repacking overwrites it (see _standard_4bit_layout).
-        self._quant_dtype = None if state is None or getattr(state, "packing_format_for_cpu", False) else state.dtype
-        if getattr(base, "support_avx512bf16_for_cpu", False):
-            # bitsandbytes 0.50 repacks a 4-bit weight in place at its first CPU eval forward (bf16 scales, an
-            # inverse that is lossy: we measured errors of half a weight's magnitude) and asserts on widths that
-            # are not multiples of 32. Merges must read the exact weight, so adapted layers keep the portable
-            # layout; their CPU inference uses bitsandbytes' generic dequantize + matmul path instead.
-            base.support_avx512bf16_for_cpu = False
+        # bitsandbytes 0.50 repacks a 4-bit weight in place at its first CPU eval forward on AVX512-BF16 CPUs (bf16
+        # scales, a lossy inverse, and a matmul without autograd). Merges and gradients need the exact weight, so
+        # a layer already repacked is refused and the others are kept in the portable layout from here on; their
+        # CPU inference uses bitsandbytes' dequantize + matmul instead.
+        _exact_4bit_weight(base, kwargs.get("layer_name", ""))
+        keep_exact_4bit_layout(base)
         super().__init__(base_layer, adapter_name, config, **kwargs)
 
     def _get_base_weight(self) -> torch.Tensor:
-        return dequantize_4bit_weight(self.get_base_layer(), self._quant_dtype)
+        return dequantize_4bit_weight(self.get_base_layer())
 
     def _set_base_weight(self, weight: torch.Tensor) -> None:
         requantize_4bit_weight(self.get_base_layer(), weight, mode=self.requantization)
@@ -316,7 +316,7 @@ class Linear4bit(_QuantizedOFTv2):
         impl = self.oftv2_settings[active[0]].impl
         base = self.get_base_layer()
         state = getattr(base.weight, "quant_state", None)
-        if impl == "torch" or state is None or getattr(state, "packing_format_for_cpu", False):
+        if impl == "torch" or state is None or is_repacked(base):
             return None
         if impl == "auto" and x.numel() > FUSED_NF4_MAX_TOKENS * x.shape[-1]:
             return None
@@ -327,10 +327,6 @@ class Linear4bit(_QuantizedOFTv2):
         return active[0]
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            # bitsandbytes repacks the weight for CPU inference after an eval forward; its matmul on the repacked
-            # weight has no autograd, so gradients would silently stop at this layer. Restore the layout first.
-            _standard_4bit_layout(self.get_base_layer(), self._quant_dtype)
         name = None if self.disable_adapters or self.merged else self._fused_adapter(x)
         if name is None:
             return super().forward(x, *args, **kwargs)

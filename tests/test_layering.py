@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 METHOD_PACKAGES = ("oftv2", "helene", "prompt_transfer", "steering")
 OURS = {"peftplug", "peftplug_kernels", *METHOD_PACKAGES}
-LEAVES = {"peftplug.registry", "peftplug.fileio", "peftplug.errors", "peftplug.datadir", "peftplug_kernels"}
+LEAVES = {"peftplug.registry", "peftplug.fileio", "peftplug.errors", "peftplug.datadir", "peftplug.quantized_layout", "peftplug_kernels"}
 
 
 def module_level_imports(path: Path) -> set[str]:
@@ -48,7 +48,7 @@ def test_a_method_package_imports_only_the_leaves_at_module_level(package):
 
 
 def test_the_leaves_import_no_method_package_or_trainer():
-    paths = [ROOT / "peftplug" / f"{leaf}.py" for leaf in ("registry", "fileio", "errors", "datadir")]
+    paths = [ROOT / "peftplug" / f"{leaf}.py" for leaf in ("registry", "fileio", "errors", "datadir", "quantized_layout")]
     paths += sorted((ROOT / "peftplug_kernels").rglob("*.py"))
     stray = {f"{path.relative_to(ROOT)}: {name}" for path in paths for name in module_level_imports(path)
              if not is_leaf(name)}

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import oftv2
-from peftplug_kernels.block_rotate.reference import block_rotate
 from oftv2 import bnb as qoft
+from peftplug.quantized_layout import keep_exact_4bit_layout
+from peftplug_kernels.block_rotate.reference import block_rotate
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -55,6 +56,9 @@ def test_4bit_forward_rotates_then_calls_the_quantized_layer(load_quantized, ran
 
 def test_zero_init_equals_base_model(load_quantized, batch):
     base_model = load_quantized(4, "nf4", True)
+    # Without this, the base forward repacks the weights on AVX512-BF16 CPUs and _adapt refuses them
+    # (tests/oftv2_bnb/test_repack_table.py); peftplug's loader does it for every 4-bit model it loads.
+    keep_exact_4bit_layout(base_model)
     with torch.no_grad():
         expected = base_model(**batch).logits
     model = _adapt(base_model)

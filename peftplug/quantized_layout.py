@@ -1,0 +1,120 @@
+"""Keeps bitsandbytes 4-bit weights in their exact, portable layout on every CPU.
+
+bitsandbytes 0.50 repacks a ``Linear4bit`` weight *in place* at its first forward in eval mode without gradients
+on CPUs with AVX512-BF16 (``bitsandbytes.functional._convert_weight_packed_for_cpu``): the nibbles are reordered
+for its fused CPU GEMM, double-quantized scales are expanded and the per-block scales are rounded to bfloat16. Two
+things then go wrong silently:
+
+- the inverse (run by ``.cuda()``, ``state_dict()`` and our merges) cannot give the original scales back, so
+  merges, saves and dequantized references work on corrupted weights;
+- the repacked matmul (``bitsandbytes::gemv_4bit``) has no autograd, so in a later training step no gradient
+  flows through that layer to the adapters before it (PEFT's LoRA on nf4 got gradients 48-54 % off).
+
+AVX2-only CPUs (and GPUs) never take that path. :func:`keep_exact_4bit_layout` switches the repacking off for
+every 4-bit layer of a model (bitsandbytes then runs its portable dequantize + matmul on CPU, which has autograd),
+and refuses a model that an earlier forward already repacked: the exact weight cannot be restored from it.
+
+A leaf module (it imports nothing else of peftplug, and bitsandbytes only if it is already imported: a 4-bit
+layer cannot exist otherwise), so method packages may use it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+from torch import nn
+
+#: What bitsandbytes' ``Linear4bit`` sets from the CPU's flags; False keeps the portable layout.
+REPACK_SWITCH = "support_avx512bf16_for_cpu"
+
+
+class RepackedWeightError(ValueError):
+    """A 4-bit layer was repacked by bitsandbytes' CPU inference before peftplug could protect it."""
+
+
+def _linear4bit_class() -> type | None:
+    module = sys.modules.get("bitsandbytes.nn")
+    return getattr(module, "Linear4bit", None) if module is not None else None
+
+
+def four_bit_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(qualified name, layer)`` for every bitsandbytes ``Linear4bit`` in ``model`` (adapted bases included).
+
+    Args:
+        model: Any module.
+    """
+    cls = _linear4bit_class()
+    if cls is None:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, cls):
+            yield name, module
+
+
+def is_repacked(layer: nn.Module) -> bool:
+    """Whether a ``Linear4bit``'s weight is in bitsandbytes' CPU inference layout.
+
+    Args:
+        layer: A bitsandbytes ``Linear4bit``.
+    """
+    state = getattr(getattr(layer, "weight", None), "quant_state", None)
+    return bool(getattr(state, "packing_format_for_cpu", False))
+
+
+def repacked_layers(model: nn.Module) -> list[str]:
+    """Names of the 4-bit layers of ``model`` whose weight an earlier eval forward repacked.
+
+    Args:
+        model: Any module.
+    """
+    return [name for name, layer in four_bit_layers(model) if is_repacked(layer)]
+
+
+def repacked_message(names: list[str]) -> str:
+    """The one-line explanation for layers that were repacked before an adapter was attached.
+
+    Args:
+        names: The repacked layers' names (the first three are shown).
+    """
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (
+        f"4-bit layer(s) {shown} were repacked in place by an earlier eval forward (bitsandbytes' AVX512-BF16 CPU "
+        "inference; its inverse rounds the scales, and the repacked matmul has no autograd), so the exact weight "
+        "is lost: reload the model and attach the adapter before its first forward (peftplug's loader and "
+        "PeftModule protect a model they load)"
+    )
+
+
+def refuse_repacked(model: nn.Module) -> None:
+    """Raises :class:`RepackedWeightError` if any 4-bit layer of ``model`` is repacked.
+
+    Args:
+        model: Any module.
+    """
+    names = repacked_layers(model)
+    if names:
+        raise RepackedWeightError(repacked_message(names))
+
+
+def keep_exact_4bit_layout(model: nn.Module) -> int:
+    """Stops bitsandbytes from repacking any 4-bit layer of ``model``; refuses one already repacked.
+
+    Idempotent, and harmless where the CPU has no AVX512-BF16 (the switch is already off there) or the layer is on
+    a GPU (the switch only matters for CPU tensors).
+
+    Args:
+        model: Any module (a plain model, a PeftModel, or a single layer).
+
+    Returns:
+        The number of 4-bit layers seen.
+
+    Raises:
+        RepackedWeightError: Naming the layers an earlier forward repacked.
+    """
+    refuse_repacked(model)
+    count = 0
+    for _, layer in four_bit_layers(model):
+        setattr(layer, REPACK_SWITCH, False)
+        count += 1
+    return count
