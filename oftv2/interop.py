@@ -46,8 +46,8 @@ from peft import OFTConfig
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from peftplug_kernels import ops
 from peftplug.fileio import atomic_write
+from peftplug_kernels import ops
 
 from .config import OFTv2Config
 from .embedding import Embedding

@@ -10,9 +10,9 @@ from oftv2_helpers import randomize_q
 from torch import nn
 
 import oftv2  # noqa: F401
-from peftplug_kernels.cayley_neumann.reference import cayley_neumann
 from oftv2 import OFTv2Config, oftv2_config_from_oft, state_dict_from_peft_oft
 from oftv2.conv import Conv2d
+from peftplug_kernels.cayley_neumann.reference import cayley_neumann
 
 # (kwargs of nn.Conv2d(in=8, out=6, ...)): square and non-square kernels, stride, padding (int, tuple, "same",
 # non-zero modes), dilation, groups.

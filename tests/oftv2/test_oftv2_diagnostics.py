@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import oftv2  # noqa: F401
-from peftplug_kernels.cayley_neumann.reference import skew_from_triangle
 from oftv2 import NeumannDivergenceWarning, OFTv2Config, rotation_diagnostics
 from oftv2.diagnostics import format_diagnostics
+from peftplug_kernels.cayley_neumann.reference import skew_from_triangle
 
 
 def _model(form="cayley_neumann", **kw):

@@ -10,7 +10,6 @@ from peft import PeftModel
 from torch import nn
 
 import oftv2  # noqa: F401
-from peftplug_kernels.cayley_neumann.reference import cayley_neumann
 from oftv2 import (
     OFTv2Config,
     export_peft_oft_adapter,
@@ -19,6 +18,7 @@ from oftv2 import (
     state_dict_from_peft_oft,
 )
 from oftv2.embedding import Embedding
+from peftplug_kernels.cayley_neumann.reference import cayley_neumann
 
 
 class _Tagger(nn.Module):

@@ -9,8 +9,8 @@ from oftv2_helpers import randomize_q
 from transformers.pytorch_utils import Conv1D
 
 import oftv2  # noqa: F401
-from peftplug_kernels.cayley_neumann.reference import cayley_neumann
 from oftv2 import OFTv2Config, OFTv2Layer
+from peftplug_kernels.cayley_neumann.reference import cayley_neumann
 
 
 def _oft_layers(model):

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import oftv2  # noqa: F401
-from peftplug_kernels import ops
-from peftplug_kernels.cayley_neumann.reference import skew_from_triangle
 from oftv2 import OFTv2Config
 from oftv2.layer import bound_q
+from peftplug_kernels import ops
+from peftplug_kernels.cayley_neumann.reference import skew_from_triangle
 
 
 def _layer(form="cayley_neumann", terms=5, width=64, block=16, dtype=torch.float32, **kw):

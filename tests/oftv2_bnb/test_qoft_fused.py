@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import oftv2
-from peftplug_kernels._triton_available import triton_usable
 from oftv2 import bnb as qoft
+from peftplug_kernels._triton_available import triton_usable
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
