@@ -169,8 +169,8 @@ def load_checkpoint_module(ckpt_path: str | os.PathLike, map_location: Any = "cp
     import torch
     from jsonargparse import ArgumentError
 
-    from peftplug.cli import import_method_packages
     from peftplug.lightning import PeftModule
+    from peftplug.methods import import_method_packages
 
     import_method_packages()  # registers the plugin PEFT types the checkpoint may name
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import re
 import sys
 import warnings
@@ -29,9 +28,10 @@ from typing import Any
 
 from peftplug.errors import ConfigError, PeftplugError, one_line, run_command
 
-# Packages whose configs/optimizers recipes may name by class_path; imported when present so that their PEFT
-# types are registered before a config or checkpoint refers to them.
-METHOD_PACKAGES = ("oftv2", "helene", "prompt_transfer", "steering")
+# Recipes may name the method packages' configs and optimizers by class_path: they are imported (their PEFT types
+# registered) before parsing. Re-exported here, their historical home.
+from peftplug.methods import METHOD_PACKAGES, import_method_packages  # noqa: F401
+
 DEFAULT_ROOT_DIR = "runs"
 
 # Subcommands besides LightningCLI's, as "module:function" taking the arguments after the subcommand and returning
@@ -42,20 +42,6 @@ SUBCOMMANDS: dict[str, str] = {
     "generate": "peftplug.generate_cli:generate_main",
     "chat": "peftplug.generate_cli:chat_main",
 }
-
-
-def import_method_packages() -> list[str]:
-    """Imports the installed method packages (registering their PEFT types); returns the names imported."""
-    imported = []
-    for name in METHOD_PACKAGES:
-        if importlib.util.find_spec(name) is None:
-            continue
-        try:
-            importlib.import_module(name)
-            imported.append(name)
-        except ImportError as err:  # an optional dependency of that method is missing: others still work
-            warnings.warn(f"peftplug: method package {name!r} could not be imported ({err})", stacklevel=2)
-    return imported
 
 
 # ---------------------------------------------------------------- config errors with their field path

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from peftplug.errors import ConfigError, MissingFileError, one_line
+from peftplug.methods import import_plugin_for
 
 TASKS = ("causal_lm", "seq_cls", "seq2seq", "prompt_cls")
 QUANTIZATIONS = ("none", "nf4", "fp4", "int8")
@@ -253,19 +254,6 @@ def check_target_modules(model: torch.nn.Module, peft_config: Any) -> None:
         f"peft.target_modules {shown!r} match no module of the model; modules with weights are named: "
         + ", ".join(_leaf_module_names(model))
     )
-
-
-def import_plugin_for(peft_type: str) -> None:
-    """Imports the peftplug package that provides ``peft_type`` (e.g. ``OFTV2`` -> ``oftv2``) if there is one.
-
-    Args:
-        peft_type: An upper-case PEFT type name.
-    """
-    from peftplug.registry import PLUGIN_PACKAGES
-
-    package = PLUGIN_PACKAGES.get(str(peft_type).upper())
-    if package is not None and importlib.util.find_spec(package) is not None:
-        importlib.import_module(package)
 
 
 def build_peft_config(spec: Any, task: str):

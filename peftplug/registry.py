@@ -23,12 +23,18 @@ from packaging.version import Version
 # tested against. Outside the range we still try, but a failure names the version.
 SUPPORTED_PEFT = (Version("0.16.0"), Version("0.22.0"))
 
-# Which import provides each plugin type; used to tell users what to import before loading an adapter.
-PLUGIN_PACKAGES: dict[str, str] = {
-    "OFTV2": "oftv2",
-    "STEERING": "steering",
-    "PCT": "prompt_transfer",
+#: peftplug's method packages (the one list), each with the PEFT types it registers when imported (``helene`` is an
+#: optimizer: none). ``peftplug.methods`` imports them before a recipe or checkpoint names their classes; the load
+#: hint below tells users which one to import before loading an adapter.
+METHOD_PACKAGES: dict[str, tuple[str, ...]] = {
+    "oftv2": ("OFTV2",),
+    "helene": (),
+    "prompt_transfer": ("PCT",),
+    "steering": ("STEERING",),
 }
+#: Which package provides each plugin PEFT type (derived from :data:`METHOD_PACKAGES`).
+PLUGIN_PACKAGES: dict[str, str] = {peft_type: package for package, types in METHOD_PACKAGES.items()
+                                   for peft_type in types}
 
 _LOCK = threading.Lock()
 
@@ -202,11 +208,6 @@ def install_load_hint() -> None:
     PeftConfigMixin._get_peft_type = classmethod(_get_peft_type)
     PeftConfigMixin.from_peft_type = classmethod(from_peft_type)
     PeftConfigMixin._peftplug_hint_installed = True
-
-
-def peft_version_supported() -> bool:
-    """Whether the installed PEFT is inside the range this module was tested against."""
-    return SUPPORTED_PEFT[0] <= Version(peft.__version__) < SUPPORTED_PEFT[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------

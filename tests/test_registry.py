@@ -170,3 +170,22 @@ def test_unknown_type_message_in_process(tmp_path):
     with pytest.raises(UnregisteredAdapterError, match="neither PEFT .* nor peftplug knows"):
         PeftConfig.from_pretrained(str(tmp_path))
     assert PLUGIN_PACKAGES["OFTV2"] == "oftv2"
+
+
+def test_the_one_method_list_matches_what_each_package_registers():
+    """Every PEFT type peftplug.registry attributes to a package is registered by importing that package, with a
+    config class from it; the CLI's and the checkpoint loader's list is the same object."""
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    import peftplug.cli
+    from peftplug.methods import import_method_packages
+    from peftplug.registry import METHOD_PACKAGES
+
+    assert peftplug.cli.METHOD_PACKAGES is METHOD_PACKAGES
+    assert import_method_packages() == list(METHOD_PACKAGES)
+    known = {getattr(k, "value", k): v for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
+    for package, types in METHOD_PACKAGES.items():
+        for peft_type in types:
+            assert PLUGIN_PACKAGES[peft_type] == package
+            assert known[peft_type].__module__.split(".")[0] == package, (peft_type, known[peft_type])
+    assert set(PLUGIN_PACKAGES) == {t for types in METHOD_PACKAGES.values() for t in types}
