@@ -13,12 +13,11 @@ Model names resolve in this order:
    recipes name a model that lives inside site-packages on every machine;
 5. otherwise a Hugging Face Hub id, which needs the network (it fails fast under ``HF_HUB_OFFLINE=1``).
 
-bitsandbytes is imported here only, behind :func:`bitsandbytes_available`.
+bitsandbytes is asked for through :func:`peftplug.optional.bitsandbytes_available` (the one check).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import os
@@ -29,6 +28,7 @@ import torch
 
 from peftplug.errors import ConfigError, MissingFileError, one_line
 from peftplug.methods import import_plugin_for
+from peftplug.optional import bitsandbytes_available
 
 TASKS = ("causal_lm", "seq_cls", "seq2seq", "prompt_cls")
 QUANTIZATIONS = ("none", "nf4", "fp4", "int8")
@@ -42,12 +42,6 @@ PEFT_TASK_TYPES = {"causal_lm": "CAUSAL_LM", "seq_cls": "SEQ_CLS", "seq2seq": "S
 _HEAD_NAMES = ["classifier", "score", "lm_head", "qa_outputs"]
 
 _TINY_DIRS: dict[str, str] = {}
-
-
-@functools.cache
-def bitsandbytes_available() -> bool:
-    """Whether bitsandbytes can be imported (cached; the import takes seconds)."""
-    return importlib.util.find_spec("bitsandbytes") is not None
 
 
 def check_choice(field: str, value: str, accepted: tuple[str, ...]) -> str:
