@@ -15,6 +15,8 @@ from helene.estimators import get_estimator
 from helene.zo import ZerothOrderOptimizer
 
 CLIP_MODES = ("layer", "coordinate", "none")
+#: What divides HELENE's momentum: the EMA of a diagonal Hessian estimate (the paper), or one scale-free scalar.
+PRECONDITIONERS = ("hessian", "scalar", "scalar_global")
 _AUTO_HORIZON_FRACTION = 0.1  # anneal_horizon="auto": T = 10% of the run's total steps
 _FALLBACK_HORIZON = 1000.0
 
@@ -140,11 +142,22 @@ class Helene(ZerothOrderOptimizer):
         g = c·z                                   (two-point SPSA, see ZerothOrderOptimizer)
         α_t = β1 + (1 − β1)·exp(−t/T)             (anneal=True; α_t = β1 when anneal=False)
         m = β1·m + α_t·g
-        if t % k == 0:  h = β2·h + (1 − β2)·ĥ      (ĥ from the chosen estimator)
-        clip="layer":       u = m / (γ·max(h, λ_group))
-        clip="coordinate":  u = clamp(m / max(γ·h, λ_group), −ρ, ρ)     (Sophia-like)
-        clip="none":        u = m / (γ·|h| + 1e-12)
+        preconditioner="hessian" (the paper's reading):
+            if t % k == 0:  h = β2·h + (1 − β2)·ĥ      (ĥ from the chosen estimator; n = refreshes so far)
+            h' = h / (1 − β2ⁿ) with bias_correction, else h
+            clip="layer":       u = m / (γ·max(h', λ_group))
+            clip="coordinate":  u = clamp(m / max(γ·h', λ_group), −ρ, ρ)     (Sophia-like)
+            clip="none":        u = m / (γ·|h'| + 1e-12)
+        preconditioner="scalar" / "scalar_global" (every step, one float per group / for all groups):
+            s = β2·s + (1 − β2)·c² ;  s' = s / (1 − β2^(t+1)) with bias_correction, else s
+            u = m / (γ·√s')       (clip="coordinate": clamped to ±ρ; no λ floor, u = 0 while s' = 0)
         θ −= lr·(u + wd·θ)
+
+    The scalar preconditioners make the step a normalised annealed-momentum step: m and √s both scale with the
+    loss, so the update does not change when the loss is multiplied by a constant (bit for bit for powers of two).
+    Because ``c`` is one number shared by every parameter, ``"scalar"`` differs from ``"scalar_global"`` only
+    where groups have their own β2 (``"scalar_global"`` uses the optimizer's default β2) — a ZO step cannot see a
+    per-layer gradient scale. State: m alone (4 bytes per parameter) against m and h for ``"hessian"``.
 
     Args:
         params: Parameters or param groups; a group may override ``lr``, ``betas``, ``gamma``, ``lam``
@@ -157,13 +170,20 @@ class Helene(ZerothOrderOptimizer):
         lam: Default clipping floor λ >= 0 (per group through ``lam``); with ``layerwise`` also a mapping from a
             regular expression on the layer name to λ (see :func:`helene.groups.layerwise_param_groups`).
         weight_decay: Decoupled weight decay.
-        hessian_interval: Refresh the Hessian EMA every ``k`` >= 1 steps (the first step always refreshes).
+        hessian_interval: Refresh the Hessian EMA every ``k`` >= 1 steps (the first step always refreshes). The
+            scalar preconditioners refresh every step (c² costs nothing).
         anneal: Switch for gradient annealing.
         anneal_horizon: T > 0, or ``"auto"``: 10% of the total steps given to :meth:`set_total_steps` (the
             trainer calls it; without it T = 1000 and a warning).
         clip: ``"layer"`` (paper), ``"coordinate"`` (Sophia-like) or ``"none"``.
         rho: Clamp bound for ``clip="coordinate"``.
-        hessian: Estimator name, see :mod:`helene.estimators` (``"agnb"`` is the paper's).
+        hessian: Estimator name for ``preconditioner="hessian"``, see :mod:`helene.estimators`; ``None`` means
+            ``"agnb"`` (the paper's). The scalar preconditioners take no estimator: pass ``None``.
+        preconditioner: ``"hessian"`` (default; the paper's EMA of ``hessian``), ``"scalar"`` (one EMA of c² per
+            param group) or ``"scalar_global"`` (one for all groups); see above.
+        bias_correction: Adam's correction of the EMA's start from 0, ``h / (1 − β2ⁿ)`` (an ablation switch: it
+            makes the early preconditioner larger, not smaller). The momentum is not corrected: α_0 = 1 already
+            makes m_1 = g_1 when ``anneal=True``.
         batch_size: Batch size B scaling the A-GNB estimate (``B·ĝ⊙ĝ``).
         layerwise: ``None`` (use ``params`` as given) or a granularity, ``"tensor"`` or ``"block"``: regroup the
             parameters per layer with their λ and weight decay off for biases and norms. Needs parameter names
@@ -178,9 +198,10 @@ class Helene(ZerothOrderOptimizer):
 
     def __init__(self, params, lr: float = 1e-6, eps: float = 1e-3, betas=(0.9, 0.99), gamma: float = 1.0,
                  lam: float = 1.0, weight_decay: float = 0.0, hessian_interval: int = 10, anneal: bool = True,
-                 anneal_horizon="auto", clip: str = "layer", rho: float = 1.0, hessian: str = "agnb",
+                 anneal_horizon="auto", clip: str = "layer", rho: float = 1.0, hessian: str | None = None,
                  batch_size: int = 1, layerwise: str | None = None, seed: int = 0, master_weights="auto",
-                 sync_seed: bool = True, perturbation: str = "gaussian"):
+                 sync_seed: bool = True, perturbation: str = "gaussian", preconditioner: str = "hessian",
+                 bias_correction: bool = False):
         if layerwise is not None:
             params = _regroup(params, layerwise, lam, weight_decay)
             lam = lam.get("default", 1.0) if isinstance(lam, dict) else lam
@@ -194,8 +215,15 @@ class Helene(ZerothOrderOptimizer):
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if not rho > 0:
             raise ValueError(f"rho must be > 0, got {rho!r}")
-        self.estimator = get_estimator(hessian)
-        if self.estimator.needs_center and perturbation == "rademacher":
+        if preconditioner not in PRECONDITIONERS:
+            raise ValueError(f"preconditioner must be one of {PRECONDITIONERS}, got {preconditioner!r}")
+        if preconditioner != "hessian" and hessian is not None:
+            raise ValueError(f"hessian={hessian!r} applies only to preconditioner='hessian'; with "
+                             f"preconditioner={preconditioner!r} leave hessian unset (None)")
+        self.preconditioner = preconditioner
+        self.bias_correction = bool(bias_correction)
+        self.estimator = get_estimator("agnb" if hessian is None else hessian) if preconditioner == "hessian" else None
+        if self.estimator is not None and self.estimator.needs_center and perturbation == "rademacher":
             raise ValueError(f"hessian={hessian!r} needs a Gaussian perturbation (it weighs z⊙z − 1, which is 0 for "
                              "every Rademacher z); use perturbation='gaussian' or hessian in "
                              "('agnb', 'agnb_layer', 'none')")
@@ -217,6 +245,9 @@ class Helene(ZerothOrderOptimizer):
         self.batch_size = batch_size
         self.total_steps: int | None = None
         self._warned_horizon = False
+        #: EMA of c²: one per param group ("scalar"), or one for all (the single entry, "scalar_global").
+        n_moments = len(self.param_groups) if preconditioner == "scalar" else 1
+        self.second_moment: list[float] = [0.0] * n_moments if preconditioner != "hessian" else []
 
     def set_total_steps(self, total_steps: int) -> None:
         """Tells the optimizer the run's length, which ``anneal_horizon="auto"`` derives T from.
@@ -255,9 +286,12 @@ class Helene(ZerothOrderOptimizer):
         return self.update_count % self.hessian_interval == 0
 
     def _needs_center_loss(self) -> bool:
-        return self.estimator.needs_center and self._refresh_hessian()
+        return self.estimator is not None and self.estimator.needs_center and self._refresh_hessian()
 
     def _apply_update(self, seed, projected, loss_plus, loss_minus, center):
+        if self.preconditioner != "hessian":
+            self._apply_scalar_update(seed, projected)
+            return
         t = self.update_count
         refresh = self._refresh_hessian()
         for group, p, w, z in self._restored(seed):
@@ -276,6 +310,9 @@ class Helene(ZerothOrderOptimizer):
             lr, wd, gamma, lam = group["lr"], group["weight_decay"], group["gamma"], group["lam"]
             if wd:
                 w.mul_(1.0 - lr * wd)
+            if self.bias_correction:
+                # n = refreshes so far, this step's included; a temporary, so the stored h stays the plain EMA.
+                h = h.div(1.0 - b2 ** (t // self.hessian_interval + 1))
             if self.clip == "layer":
                 denom = h.clamp(min=lam).mul_(gamma).add_(1e-12)
                 w.addcdiv_(m, denom, value=-lr)
@@ -285,10 +322,46 @@ class Helene(ZerothOrderOptimizer):
             else:
                 w.addcdiv_(m, h.abs().mul_(gamma).add_(1e-12), value=-lr)
 
+    def _apply_scalar_update(self, seed: int, projected: float) -> None:
+        """The scalar preconditioners: every group's m divided by γ·√s, s the EMA of c² (Python floats)."""
+        t = self.update_count
+        if self.preconditioner == "scalar":
+            betas2 = [group["betas"][1] for group in self.param_groups]
+        else:  # one EMA for all groups, with the optimizer's default β2
+            betas2 = [self.defaults["betas"][1]]
+        for j, b2 in enumerate(betas2):
+            self.second_moment[j] = b2 * self.second_moment[j] + (1.0 - b2) * projected * projected
+        scales = []
+        for i, group in enumerate(self.param_groups):
+            j = i if self.preconditioner == "scalar" else 0
+            s = self.second_moment[j]
+            if self.bias_correction:
+                s = s / (1.0 - betas2[j] ** (t + 1))
+            scales.append(group["gamma"] * math.sqrt(s))
+        index = {id(g): i for i, g in enumerate(self.param_groups)}
+        for group, p, w, z in self._restored(seed):
+            st = self.state[p]
+            if "exp_avg" not in st:
+                st["exp_avg"] = torch.zeros_like(w, dtype=torch.float32)
+            m = st["exp_avg"]
+            b1 = group["betas"][0]
+            m.mul_(b1).add_(z, alpha=self.alpha(t, b1) * projected)
+            lr, wd = group["lr"], group["weight_decay"]
+            if wd:
+                w.mul_(1.0 - lr * wd)
+            denom = scales[index[id(group)]]
+            if denom == 0.0:
+                continue  # every c so far was 0, so m is 0 as well: no step, and no 0/0
+            if self.clip == "coordinate":
+                w.add_(m.div(denom).clamp_(-self.rho, self.rho), alpha=-lr)
+            else:
+                w.add_(m, alpha=-lr / denom)
+
     def state_dict(self) -> dict:
-        """Adds the Helene-specific total steps to the base state (T must not change on resume)."""
+        """Adds the Helene-specific total steps (T must not change on resume) and scalar moments to the base state."""
         sd = super().state_dict()
         sd["zeroth_order"]["total_steps"] = self.total_steps
+        sd["zeroth_order"]["second_moment"] = list(self.second_moment)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -297,7 +370,13 @@ class Helene(ZerothOrderOptimizer):
         Args:
             state_dict: Output of :meth:`state_dict`.
         """
-        total = state_dict.get("zeroth_order", {}).get("total_steps")
+        zo = state_dict.get("zeroth_order", {})
+        total, moments = zo.get("total_steps"), zo.get("second_moment")
         super().load_state_dict(state_dict)
         if total is not None:
             self.total_steps = int(total)
+        if moments is not None:
+            if len(moments) != len(self.second_moment):
+                raise ValueError(f"state_dict has {len(moments)} scalar second moments, this optimizer "
+                                 f"(preconditioner={self.preconditioner!r}) keeps {len(self.second_moment)}")
+            self.second_moment = [float(v) for v in moments]

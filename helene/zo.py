@@ -1,6 +1,7 @@
 """Shared machinery of the zeroth-order optimizers: seeded in-place perturbation, restore, two-point SPSA.
 
-Every zeroth-order optimizer here estimates the gradient from two forward passes (MeZO's two-point SPSA)::
+MeZO, ZO-Adam and HELENE estimate the gradient from two forward passes (MeZO's two-point SPSA); FZOO
+(:mod:`helene.fzoo`) uses the same seeds, perturbation and restore for N one-sided probes. The two-point step::
 
     θ += ε z ;  L+ = L(θ)        z ~ N(0, I) (or ±1), regenerated from a per-step seed, never stored
     θ −= 2ε z ;  L− = L(θ)
@@ -105,10 +106,12 @@ class ZerothOrderOptimizer(Optimizer):
         self._seed_gen = torch.Generator(device="cpu")
         self._seed_gen.manual_seed(self.seed)
         self._z_gens: dict[torch.device, torch.Generator] = {}
-        #: Steps attempted (two forward passes each), steps whose update was applied, and skipped steps.
+        #: Steps attempted, steps whose update was applied, and skipped steps.
         self.step_count = 0
         self.update_count = 0
         self.skipped_nonfinite = 0
+        #: Closure calls made so far (the forward passes a step costs differ between optimizers and steps).
+        self.forward_passes = 0
         #: The last step's projected gradient c = (L+ − L−)/2ε (nan after a skipped step).
         self.last_projected_grad = float("nan")
         self._init_masters()
@@ -134,24 +137,29 @@ class ZerothOrderOptimizer(Optimizer):
                 self.state[p]["master"] = p.detach().to(torch.float32, copy=True)
 
     def counters(self) -> dict[str, float]:
-        """Numbers worth logging: steps, applied updates, skipped non-finite steps, last projected gradient."""
+        """Numbers worth logging: steps, applied updates, skipped non-finite steps, closure calls (forward passes),
+        last projected gradient."""
         return {
             "zo_steps": float(self.step_count), "zo_updates": float(self.update_count),
-            "zo_skipped_nonfinite": float(self.skipped_nonfinite), "zo_projected_grad": self.last_projected_grad,
+            "zo_skipped_nonfinite": float(self.skipped_nonfinite), "zo_forward_passes": float(self.forward_passes),
+            "zo_projected_grad": self.last_projected_grad,
         }
 
     # ------------------------------------------------------------------------------------------- seeds / z
     def _draw_seed(self) -> int:
-        seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen).item())
+        return self._draw_seeds(1)[0]
+
+    def _draw_seeds(self, n: int) -> list[int]:
+        """``n`` perturbation seeds from the private generator (rank 0's, in one broadcast, under DDP)."""
+        seeds = torch.randint(0, 2**62, (n,), generator=self._seed_gen)
         if self.sync_seed and _dist_initialized():
             dist = torch.distributed
             device = torch.device("cpu")
             if dist.get_backend() == "nccl":
                 device = torch.device("cuda", torch.cuda.current_device())
-            buf = torch.tensor([seed], dtype=torch.int64, device=device)
-            dist.broadcast(buf, src=0)
-            seed = int(buf.item())
-        return seed
+            seeds = seeds.to(device)
+            dist.broadcast(seeds, src=0)
+        return [int(s) for s in seeds.tolist()]
 
     def _z_stream(self, seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """A function returning, for each trainable parameter in turn, its fp32 direction z for this seed."""
@@ -203,8 +211,9 @@ class ZerothOrderOptimizer(Optimizer):
         """Whether this step also needs L(θ) at the unperturbed point (e.g. a curvature estimate)."""
         return False
 
-    @staticmethod
-    def _evaluate(closure: Callable[[], Any]) -> float:
+    def _evaluate(self, closure: Callable[[], Any]) -> float:
+        """Calls the closure once (counted in ``forward_passes``) and returns its loss as a Python float."""
+        self.forward_passes += 1
         loss = closure()
         if isinstance(loss, (tuple, list)):
             loss = loss[0]
@@ -257,7 +266,7 @@ class ZerothOrderOptimizer(Optimizer):
         sd = super().state_dict()
         sd["zeroth_order"] = {
             "step_count": self.step_count, "update_count": self.update_count,
-            "skipped_nonfinite": self.skipped_nonfinite, "seed": self.seed,
+            "skipped_nonfinite": self.skipped_nonfinite, "forward_passes": self.forward_passes, "seed": self.seed,
             "generator_state": self._seed_gen.get_state(),
         }
         return sd
@@ -279,8 +288,12 @@ class ZerothOrderOptimizer(Optimizer):
         self.step_count = int(zo["step_count"])
         self.update_count = int(zo["update_count"])
         self.skipped_nonfinite = int(zo["skipped_nonfinite"])
+        # Checkpoints written before the counter existed: two closure calls a step (exact unless a curvature
+        # estimator added centre passes).
+        self.forward_passes = int(zo.get("forward_passes", 2 * self.step_count))
         self.seed = int(zo["seed"])
-        self._seed_gen.set_state(zo["generator_state"])
+        # A CPU generator takes a CPU state; a trainer may have moved the whole dict to the accelerator.
+        self._seed_gen.set_state(zo["generator_state"].to("cpu"))
         # torch casts loaded state to each parameter's dtype; fp32 masters and moments of fp16/bf16 parameters
         # must keep their saved fp32 values bit for bit, so they are put back from the saved dict.
         params = [p for g in self.param_groups for p in g["params"]]

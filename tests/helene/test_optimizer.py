@@ -11,35 +11,11 @@ import torch
 from torch.func import functional_call
 
 from helene import ZOSGD, Helene, ZOAdam, layerwise_param_groups
-
-
-def _mlp(seed=0, dtype=torch.float32):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
-    return model.to(dtype)
-
-
-def _data(seed=1, n=16):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-
-def _closure(model, x, y):
-    return lambda: torch.nn.functional.cross_entropy(model(x.to(next(model.parameters()).dtype)).float(), y)
-
-
-def _reference_directions(model, opt_seed, step_index=0):
-    """z of the ``step_index``-th step, drawn independently the documented way (seed stream, then randn)."""
-    seeds = torch.Generator().manual_seed(opt_seed)
-    for _ in range(step_index + 1):
-        s = int(torch.randint(0, 2**62, (1,), generator=seeds).item())
-    gen = torch.Generator().manual_seed(s)
-    return {n: torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _params(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+from tests.helene.zo_testing import closure as _closure
+from tests.helene.zo_testing import data as _data
+from tests.helene.zo_testing import mlp as _mlp
+from tests.helene.zo_testing import params as _params
+from tests.helene.zo_testing import reference_directions as _reference_directions
 
 
 def test_spsa_matches_directional_finite_difference_and_autograd():
