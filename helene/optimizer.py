@@ -12,20 +12,13 @@ import warnings
 import torch
 
 from helene.estimators import get_estimator
-from helene.zo import ZerothOrderOptimizer
+from helene.zo import ZerothOrderOptimizer, check_lr_wd
 
 CLIP_MODES = ("layer", "coordinate", "none")
 #: What divides HELENE's momentum: the EMA of a diagonal Hessian estimate (the paper), or one scale-free scalar.
 PRECONDITIONERS = ("hessian", "scalar", "scalar_global")
 _AUTO_HORIZON_FRACTION = 0.1  # anneal_horizon="auto": T = 10% of the run's total steps
 _FALLBACK_HORIZON = 1000.0
-
-
-def _check_lr_wd(group: dict) -> None:
-    if not (isinstance(group["lr"], (int, float)) and group["lr"] >= 0 and math.isfinite(group["lr"])):
-        raise ValueError(f"lr must be a finite float >= 0, got {group['lr']!r}")
-    if not (isinstance(group["weight_decay"], (int, float)) and group["weight_decay"] >= 0):
-        raise ValueError(f"weight_decay must be a float >= 0, got {group['weight_decay']!r}")
 
 
 def _check_betas(betas) -> None:
@@ -52,7 +45,7 @@ class ZOSGD(ZerothOrderOptimizer):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay}, eps=eps, seed=seed,
                          master_weights=master_weights, sync_seed=sync_seed, perturbation=perturbation)
         for group in self.param_groups:
-            _check_lr_wd(group)
+            check_lr_wd(group)
 
     def _apply_update(self, seed, projected, loss_plus, loss_minus, center):
         for group, _, w, z in self._restored(seed):
@@ -88,7 +81,7 @@ class ZOAdam(ZerothOrderOptimizer):
                          eps=eps, seed=seed, master_weights=master_weights, sync_seed=sync_seed,
                          perturbation=perturbation)
         for group in self.param_groups:
-            _check_lr_wd(group)
+            check_lr_wd(group)
             _check_betas(group["betas"])
 
     def _apply_update(self, seed, projected, loss_plus, loss_minus, center):
@@ -231,7 +224,7 @@ class Helene(ZerothOrderOptimizer):
         super().__init__(params, defaults, eps=eps, seed=seed, master_weights=master_weights, sync_seed=sync_seed,
                          perturbation=perturbation)
         for group in self.param_groups:
-            _check_lr_wd(group)
+            check_lr_wd(group)
             _check_betas(group["betas"])
             if not group["gamma"] > 0:
                 raise ValueError(f"gamma must be > 0, got {group['gamma']!r}")

@@ -58,6 +58,18 @@ def rademacher(shape: torch.Size, generator: torch.Generator, device: torch.devi
     return signs.view(-1)[:numel].view(shape)
 
 
+def check_lr_wd(group: dict) -> None:
+    """Raises ValueError unless the param group's ``lr`` and ``weight_decay`` are finite floats >= 0.
+
+    Args:
+        group: A param group with ``lr`` and ``weight_decay``.
+    """
+    if not (isinstance(group["lr"], (int, float)) and group["lr"] >= 0 and math.isfinite(group["lr"])):
+        raise ValueError(f"lr must be a finite float >= 0, got {group['lr']!r}")
+    if not (isinstance(group["weight_decay"], (int, float)) and group["weight_decay"] >= 0):
+        raise ValueError(f"weight_decay must be a float >= 0, got {group['weight_decay']!r}")
+
+
 def _dist_initialized() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 

@@ -1,16 +1,17 @@
 """Data parallel without Lightning: two gloo processes over half batches equal one process over the batch.
 
-The ranks are given different optimizer seeds, so agreement needs the broadcast step seed."""
+The ranks are given different optimizer seeds, so agreement needs the broadcast step seed (FZOO: its N seeds)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from helene import Helene
+from helene import FZOO, Helene
 
 WORKER = r'''
 import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
-from helene import Helene
+from helene import FZOO, Helene
 
 def build():
     torch.manual_seed(0)
@@ -24,8 +25,7 @@ def worker(rank, world, port, out):
     x, y = x.chunk(world)[rank], y.chunk(world)[rank]
     model = build()
     # Different optimizer seeds per rank on purpose: the broadcast step seed must make them agree.
-    opt = Helene(model.parameters(), lr=1e-2, eps=1e-2, hessian_interval=2, anneal_horizon=10.0,
-                 seed=100 + rank)
+    opt = CLS(model.parameters(), seed=100 + rank, **KWARGS)
     def closure():
         loss = torch.nn.functional.cross_entropy(model(x), y)
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)   # only this scalar is communicated
@@ -40,15 +40,24 @@ if __name__ == "__main__":
 '''
 
 
-def test_two_gloo_processes_equal_one_process(tmp_path, run_fresh):
+OPTIMIZERS = {
+    "helene": (Helene, {"lr": 1e-2, "eps": 1e-2, "hessian_interval": 2, "anneal_horizon": 10.0}),
+    "fzoo": (FZOO, {"lr": 1e-2, "eps": 1e-2, "n_probes": 3}),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_two_gloo_processes_equal_one_process(tmp_path, run_fresh, name):
     import socket
+
+    cls, kwargs = OPTIMIZERS[name]
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "ddp"
     script = tmp_path / "ddp_worker.py"
-    script.write_text(WORKER)
+    script.write_text(WORKER.replace("CLS", cls.__name__).replace("KWARGS", repr(kwargs)))
     run_fresh(f"import runpy, sys; sys.argv = ['w', '{port}', '{out}']; runpy.run_path('{script}', run_name='__main__')")
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
 
@@ -57,7 +66,7 @@ def test_two_gloo_processes_equal_one_process(tmp_path, run_fresh):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
     init = [p.detach().clone() for p in model.parameters()]
-    opt = Helene(model.parameters(), lr=1e-2, eps=1e-2, hessian_interval=2, anneal_horizon=10.0, seed=100)
+    opt = cls(model.parameters(), seed=100, **kwargs)
     losses = [opt.step(lambda: torch.nn.functional.cross_entropy(model(x), y)).item() for _ in range(4)]
 
     for a, b in zip(r0["params"], r1["params"]):

@@ -8,7 +8,7 @@ from functools import partial
 import pytest
 import torch
 
-from helene import ZOSGD, Helene
+from helene import FZOO, ZOSGD, Helene
 
 lightning = pytest.importorskip("lightning")
 
@@ -37,14 +37,16 @@ def _module(tiny_model, optimizer, lora=True):
 
 
 HELENE = partial(Helene, lr=1e-3, eps=1e-3, hessian_interval=2, anneal_horizon=10.0, seed=3)
+FZOO_ = partial(FZOO, lr=1e-3, eps=1e-3, n_probes=3, seed=3)
 
 
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_fit_steps_equal_manual_helene_in_eval_mode(tiny_model, tmp_path, lora):
+@pytest.mark.parametrize("lora,make", [(True, HELENE), (False, HELENE), (True, FZOO_)],
+                         ids=["lora", "full", "fzoo-lora"])
+def test_fit_steps_equal_manual_zo_steps_in_eval_mode(tiny_model, tmp_path, lora, make):
     from torch.utils.data import DataLoader
 
     batches = _batches()
-    module = _module(tiny_model, HELENE, lora=lora)
+    module = _module(tiny_model, make, lora=lora)
     reference = copy.deepcopy(module.model)
     init = {n: p.detach().clone() for n, p in module.model.named_parameters()}
     module.train()  # Lightning puts modules in train mode; the ZO step must switch dropout off itself
@@ -52,13 +54,16 @@ def test_fit_steps_equal_manual_helene_in_eval_mode(tiny_model, tmp_path, lora):
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
 
     opt = trainer.optimizers[0]
-    assert isinstance(opt, Helene) and not module.automatic_optimization
+    assert isinstance(opt, make.func) and not module.automatic_optimization
     assert trainer.global_step == 3 and opt.step_count == 3 and opt.skipped_nonfinite == 0
     assert torch.isfinite(trainer.callback_metrics["train_loss"])
+    # The optimizer's own count of closure calls is logged: 2 a step for HELENE (no curvature), N + 1 for FZOO.
+    assert trainer.callback_metrics["zo_forward_passes"].item() == opt.forward_passes == 3 * (
+        2 if make is HELENE else 4)
     assert all(p.grad is None for p in module.model.parameters())
 
     reference.eval()
-    ref_opt = HELENE([p for p in reference.parameters() if p.requires_grad])
+    ref_opt = make([p for p in reference.parameters() if p.requires_grad])
     for i in range(3):
         batch = batches[i % 2]
         ref_opt.step(lambda batch=batch: reference(**batch).loss.float())
