@@ -34,6 +34,8 @@ test: install
 test-slow: install
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest -q -m slow tests
 
+# Measures every CPU benchmark (raw results to benchmarks/<study>/results/, then its page); pages from the committed
+# results alone, measuring nothing: .venv/bin/python -m benchmarks.report
 bench: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.run_all
 

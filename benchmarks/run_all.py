@@ -1,6 +1,7 @@
-"""Runs every CPU benchmark in turn (``make bench``); each writes its page under docs/benchmarks/.
+"""Runs every CPU benchmark in turn (``make bench``); each commits its raw results and writes its page.
 
-Usage: ``python -m benchmarks.run_all [--quick] [--only NAME ...]``. A failing benchmark is reported and the
+Usage: ``python -m benchmarks.run_all [--quick] [--only NAME ...]`` (NAME: a module under ``benchmarks/``, e.g.
+``oftv2.cpu``). Re-rendering the pages from the committed results without measuring: ``python -m benchmarks.report``. A failing benchmark is reported and the
 others still run; the exit status is non-zero if any failed. The GPU benchmarks are separate:
 ``bash benchmarks/gpu/run_all.sh`` on a CUDA machine.
 """
@@ -13,9 +14,10 @@ import sys
 import time
 import traceback
 
-# The SmolLM2 benchmarks of HELENE (helene_llm) and steering (steering_llm) are resumable queues of hours of CPU
-# with their own commands (see their docstrings); they are not part of this sweep.
-BENCHMARKS = ("oftv2_cpu", "oftv2_conv", "qoft_cpu", "llm_sft", "helene", "prompt_transfer", "steering")
+# The SmolLM2 benchmarks of HELENE (helene.smollm2), PCT (prompt_transfer.llm) and steering (steering.llm) are
+# resumable queues of hours of CPU with their own commands (see their docstrings); they are not part of this sweep.
+BENCHMARKS = ("oftv2.cpu", "oftv2.conv", "oftv2.qoft", "oftv2.llm_sft", "helene.minilm.bench",
+              "prompt_transfer.minilm", "steering.stories260k")
 
 
 def main(argv: list[str] | None = None) -> int:

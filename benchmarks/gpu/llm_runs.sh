@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu/llm_runs.sh prepare   # call 1, carry [".whl", ".gpu/a"]: wheels, data, GGUF part 1 -> /tmp/llm
 #   bash benchmarks/gpu/llm_runs.sh run       # call 2, carry [".gpu/b"], same warm machine: GGUF part 2, then the runs
 # Make the parts here first with `bash benchmarks/gpu/llm_runs.sh pack` (needs `make install` and ../shared/data).
-# Every job writes the same resumable caches as its CPU run (benchmarks/results/helene_llm, runs/pct_llm, runs/steering_llm_gpu);
+# Every job writes the same resumable caches as its CPU run (benchmarks/helene/results/helene_llm, runs/pct_llm, runs/steering_llm_gpu);
 # `run` packs them, with the logs, into $OUT. Merge them here with `bash benchmarks/gpu/llm_runs.sh unpack DIR`,
 # then write the pages (each benchmark's `report` command; steering needs its --rescore on this machine, where its
 # classifier lives).
@@ -79,21 +79,21 @@ print(f'converted in {time.time() - t:.0f} s')" 2>&1 | tee -a "$LOG"
   }
 
   # HELENE speed first, alone on the GPU (a timing), then everything else side by side.
-  job helene_speed $PY -m benchmarks.helene_llm speed --device cuda --no-report
+  job helene_speed $PY -m benchmarks.helene.smollm2 speed --device cuda --no-report
   (
-    for i in 0 1 2 3 4 5; do job helene_first_$i $PY -m benchmarks.helene_llm run --phase first --shard $i/6 \
+    for i in 0 1 2 3 4 5; do job helene_first_$i $PY -m benchmarks.helene.smollm2 run --phase first --shard $i/6 \
       --device cuda --no-report & done; wait
-    for i in 0 1 2 3 4 5; do job helene_main_$i $PY -m benchmarks.helene_llm run --phase main --shard $i/6 \
+    for i in 0 1 2 3 4 5; do job helene_main_$i $PY -m benchmarks.helene.smollm2 run --phase main --shard $i/6 \
       --device cuda --no-report & done; wait
-    for i in 0 1; do job helene_followup_$i $PY -m benchmarks.helene_llm run --phase followup --shard $i/2 \
+    for i in 0 1; do job helene_followup_$i $PY -m benchmarks.helene.smollm2 run --phase followup --shard $i/2 \
       --device cuda --no-report & done; wait
-    job helene_memory $PY -m benchmarks.helene_llm memory --device cuda --no-report
+    job helene_memory $PY -m benchmarks.helene.smollm2 memory --device cuda --no-report
   ) &
   if [ -f benchmarks/gpu/llm_runs_pct.sh ]; then (source benchmarks/gpu/llm_runs_pct.sh) & fi
   if [ -f benchmarks/gpu/llm_runs_steering.sh ]; then (source benchmarks/gpu/llm_runs_steering.sh) & fi
   wait
   nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$LOG" 2>&1
-  helene_files=$(ls -d benchmarks/results/helene_llm/runs benchmarks/results/helene_llm/partial benchmarks/results/helene_llm/*cuda*.json 2>/dev/null)
+  helene_files=$(ls -d benchmarks/helene/results/helene_llm/runs benchmarks/helene/results/helene_llm/partial benchmarks/helene/results/helene_llm/*cuda*.json 2>/dev/null)
   [ -n "$helene_files" ] && tar czf "$OUT_DIR/helene_llm.tgz" $helene_files 2>>"$LOG"
   [ -d runs/pct_llm ] && tar czf "$OUT_DIR/pct_llm.tgz" runs/pct_llm 2>>"$LOG"
   [ -d runs/steering_llm_gpu ] && tar czf "$OUT_DIR/steering_llm.tgz" runs/steering_llm_gpu 2>>"$LOG"

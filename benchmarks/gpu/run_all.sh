@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One command for the GPU machine: kernel + QOFT tests on CUDA, then benchmarks/gpu/bench.py.
+# One command for the GPU machine: kernel + QOFT tests on CUDA, then benchmarks/kernels/gpu.py.
 #   bash benchmarks/gpu/run_all.sh            # on a CUDA machine (≈ 3-5 min on one H200; hard cap 8 min)
 #   bash benchmarks/gpu/run_all.sh --dry-run  # same code paths at tiny sizes on CPU (Triton interpreter)
 # Everything is written under $OUT when set (else benchmarks/gpu/out): kernel_tests.txt, gpu_results.{json,md},
-# run_all.log. Afterwards, locally: python -m benchmarks.gpu.bench --merge-docs <that gpu_results.md>
+# run_all.log. Afterwards, locally: python -m benchmarks.kernels.gpu --merge-docs <that gpu_results.json>
 # bitsandbytes is not part of every CUDA image: if it does not import and a .whl/ folder of wheels sits at the
 # repository root, they are installed into /tmp/site first (see docs/qoft.md).
 set -uo pipefail
@@ -47,10 +47,10 @@ if [ "$DRY" = 0 ]; then
   PEFTPLUG_KERNELS_ON_GPU=1 timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/kernels tests/oftv2_bnb \
     -k "not dry_run" 2>&1 | tee "$OUT_DIR/kernel_tests.txt" | tail -n 5 | tee -a "$LOG"
   status=${PIPESTATUS[0]}
-  timeout 270 "$PY" -m benchmarks.gpu.bench --out "$OUT_DIR" "${SKIP_BNB[@]}" 2>&1 | tee -a "$LOG"
+  timeout 270 "$PY" -m benchmarks.kernels.gpu --out "$OUT_DIR" "${SKIP_BNB[@]}" 2>&1 | tee -a "$LOG"
   bench=${PIPESTATUS[0]}
 else
-  timeout 300 "$PY" -m benchmarks.gpu.bench --dry-run --out "$OUT_DIR" "${SKIP_BNB[@]}" 2>&1 | tee -a "$LOG"
+  timeout 300 "$PY" -m benchmarks.kernels.gpu --dry-run --out "$OUT_DIR" "${SKIP_BNB[@]}" 2>&1 | tee -a "$LOG"
   bench=${PIPESTATUS[0]}
 fi
 echo "tests exit $status, benchmarks exit $bench; results in $OUT_DIR" | tee -a "$LOG"

@@ -1,0 +1,78 @@
+"""Where a number came from: the commit, the threads, the CPU's flags, the process's peak memory and load."""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import subprocess
+import time
+
+from benchmarks.common.paths import REPO
+
+#: The CPU flags that change what a CPU timing means here (bf16 matmuls are ~5x slower without AVX512-BF16, and
+#: bitsandbytes 0.50 repacks 4-bit weights only with it).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def git_commit(paths: tuple[str, ...] = ("benchmarks", "peftplug")) -> str:
+    """``HEAD``'s short hash, with ``+dirty`` when ``paths`` have uncommitted changes (results excluded).
+
+    Args:
+        paths: The code a run depends on. Committed results (``benchmarks/*/results``) never count: runs in flight
+            write them, and would otherwise mark each other dirty.
+    """
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=False).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *paths,
+                                ":(exclude,glob)benchmarks/**/results/**"], cwd=REPO, capture_output=True,
+                               text=True, check=False).stdout.strip()
+    except OSError:
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if dirty else "")
+
+
+def cpu_flags() -> list[str]:
+    """Which of :data:`CPU_FLAGS` this machine's CPU has (empty where ``/proc/cpuinfo`` is not readable)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [flag for flag in CPU_FLAGS if flag in have]
+    except OSError:
+        pass
+    return []
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size in MiB (Linux reports ``ru_maxrss`` in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def provenance(paths: tuple[str, ...] = ("benchmarks", "peftplug")) -> dict:
+    """Everything a result file should say about where it was measured.
+
+    Args:
+        paths: The code the measurement depends on (see :func:`git_commit`).
+    """
+    import torch
+
+    return {"commit": git_commit(paths), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or "?",
+            "cpu_flags": cpu_flags(), "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "peak_rss_mib": peak_rss_mib(), "loadavg": list(os.getloadavg())}
+
+
+def provenance_line(prov: dict) -> str:
+    """One sentence for a page: where and how the numbers of a result file were measured.
+
+    Args:
+        prov: A :func:`provenance` record.
+    """
+    flags = ", ".join(prov.get("cpu_flags") or []) or "none of " + ", ".join(CPU_FLAGS)
+    where = f"GPU {prov['cuda']}, " if prov.get("cuda") else ""
+    return (f"Measured at commit `{prov.get('commit', '?')}` on {prov.get('date', '?')}: {where}torch "
+            f"{prov.get('torch', '?')}, {prov.get('threads', '?')} thread(s), CPU flags {flags}, peak RSS "
+            f"{prov.get('peak_rss_mib', float('nan')):.0f} MiB.")

@@ -1,0 +1,204 @@
+"""Compiles every launch configuration of the Triton kernels for Hopper (sm_90) on a machine without a GPU.
+
+Triton's bundled ``ptxas`` needs no device, so this catches what the CPU interpreter cannot: shared memory over
+the 227 KB an H100/H200 block may use, register spills (per-thread stack bytes > 0), configurations that take minutes to
+compile. It prints one row per configuration (shared KB, registers, spilled stack bytes, compile seconds) and exits 1
+if any configuration fails or exceeds shared memory.
+
+    python -m benchmarks.kernels.compile_check [--out docs/benchmarks/kernels_sm90.md]   # compile, print (, write)
+    python -m benchmarks.kernels.compile_check --report                                  # page from the results
+
+With ``--out`` the rows are kept as ``benchmarks/kernels/results/compile_check.json`` (for the docs page; a JSON
+beside any other ``--out``) and the page is rendered from that file.
+
+The configurations mirror what the wrappers in ``peftplug_kernels/*/triton.py`` launch on CUDA; when a wrapper's tiles
+change, change them here too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common.pages import outputs, render_results, write_json, write_page
+from benchmarks.common.paths import DOCS, results_dir
+from benchmarks.common.provenance import provenance
+
+PAGE = DOCS / "kernels_sm90.md"
+RESULTS = results_dir("kernels") / "compile_check.json"
+H200_MULTIPROCESSORS = 132
+SM90_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
+INT_ARGS = ("T", "N", "K", "B", "n", "n_tiles", "n_tiles_n")
+
+
+def _configs():
+    """``(label, kernel, pointer/scalar types by argument, constexprs, options)`` for each launch we make."""
+    from peftplug_kernels._tiles import fit_tiles
+    from peftplug_kernels.block_rotate import triton as rotate
+    from peftplug_kernels.cayley_neumann import triton as cn
+    from peftplug_kernels.nf4_dequantize import triton as dequant
+    from peftplug_kernels.nf4_rotate_matmul import triton as fused
+
+    for dtype in ("bf16", "fp16", "fp32"):
+        half = dtype != "fp32"
+        precision = "tf32" if half else "ieee"
+        # nf4_rotate_matmul: the wrapper's tiles per rotation-block tile (all four flag combinations), and the
+        # smaller tiles fit_tiles picks for few tokens (double quant, scale per column: the common case).
+        for bb in (16, 32, 64, 128):
+            block_t, block_n, stages, warps = fused.gpu_launch(bb, half)
+            small = {fit_tiles(block_t, block_n, warps, tokens, n, H200_MULTIPROCESSORS, bb)
+                     for tokens in (1, 16, 64, 256, 1024) for n in (1024, 4096, 14336)} - {(block_t, block_n, warps)}
+            variants = [(block_t, block_n, warps, flags) for flags in
+                        ((True, True), (True, False), (False, True), (False, False))]
+            variants += [(t, n, w, (True, True)) for t, n, w in sorted(small)]
+            for tile_t, tile_n, tile_warps, (nested, per_col) in variants:
+                types = {"x_ptr": f"*{dtype}", "r_ptr": "*fp32", "w_ptr": "*u8",
+                         "absmax_ptr": "*u8" if nested else "*fp32", "code_ptr": "*fp32", "absmax2_ptr": "*fp32",
+                         "code2_ptr": "*fp32", "offset": "fp32", "bias_ptr": f"*{dtype}", "y_ptr": f"*{dtype}"}
+                const = {"QBLOCK": 64, "QBLOCK2": 256 if nested else 1, "NESTED": nested, "SCALE_PER_COL": per_col,
+                         "HAS_BIAS": True, "HALF_DOT": half,
+                         "PRECISION": precision, "BLOCK_T": tile_t, "BLOCK_N": tile_n, "BB": bb}
+                label = f"nf4_rotate_matmul {dtype} b≤{bb} {tile_t}×{tile_n}/{tile_warps}w nested={nested} per_col={per_col}"
+                yield (label, fused._rotate_dequant_matmul_kernel, types, const,
+                       {"num_warps": tile_warps, "num_stages": stages})
+        for nested in (True, False):
+            types = {"w_ptr": "*u8", "absmax_ptr": "*u8" if nested else "*fp32", "code_ptr": "*fp32",
+                     "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset": "fp32", "out_ptr": f"*{dtype}"}
+            yield (f"nf4_dequantize {dtype} nested={nested}", dequant._dequantize_4bit_kernel, types,
+                   {"QBLOCK": 64, "QBLOCK2": 256 if nested else 1, "NESTED": nested, "BLOCK": 1024},
+                   {"num_warps": 4, "enable_fp_fusion": False})
+        for tile in (16, 32, 64):
+            yield (f"block_rotate mm {dtype} tile {tile}", rotate._block_mm_kernel,
+                   {"a_ptr": f"*{dtype}", "m_ptr": "*fp32", "c_ptr": f"*{dtype}"},
+                   {"BLOCK_T": 64, "BLOCK_K": tile, "BLOCK_N": tile, "PRECISION": precision}, {})
+            yield (f"block_rotate atb {dtype} tile {tile}", rotate._block_atb_kernel,
+                   {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "out_ptr": "*fp32"},
+                   {"BLOCK_M": tile, "BLOCK_N": tile, "BLOCK_T": 64, "PRECISION": precision}, {})
+    for bb in (16, 32, 64):
+        for name, kernel, types in (("forward", cn._cn_forward_kernel, {"q_ptr": "*fp32", "r_ptr": "*fp32"}),
+                                    ("backward", cn._cn_backward_kernel,
+                                     {"q_ptr": "*fp32", "g_ptr": "*fp32", "dq_ptr": "*fp32"})):
+            yield (f"cayley_neumann {name} b≤{bb}", kernel, types, {"TERMS": 5, "LAST_COEFF": 2.0, "BB": bb},
+                   {"num_warps": cn.gpu_num_warps(bb, backward=name == "backward")})
+
+
+def _signature(kernel, types: dict, const: dict) -> dict:
+    sig = {}
+    for name in kernel.arg_names:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in types:
+            sig[name] = types[name]
+        elif name in INT_ARGS or name.startswith("stride"):
+            sig[name] = "i32"
+        else:
+            raise KeyError(f"{kernel.__name__}: no type for argument {name!r}")
+    return sig
+
+
+def _resources(cubin: bytes) -> dict[str, int]:
+    """Registers, local (spill) and static shared bytes of a cubin, read with Triton's bundled cuobjdump."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        text = subprocess.run([str(tool), "--dump-resource-usage", str(path)], capture_output=True, text=True,
+                              check=True).stdout
+    match = re.search(r"REG:(\d+)\s+STACK:(\d+)", text)
+    if match is None:
+        raise RuntimeError(f"unexpected cuobjdump output: {text[:200]!r}")
+    # Spilled registers live on the per-thread stack (cuobjdump's LOCAL stays 0 for them).
+    return {"regs": int(match.group(1)), "stack": int(match.group(2))}
+
+
+def render(record: dict) -> str:
+    """The page of a compile check's rows.
+
+    Args:
+        record: ``{"triton": version, "rows": [[label, shared KB, registers, stack, compile s, status], ...]}``.
+    """
+    table = ["| kernel configuration | shared KB | registers | stack (spill) bytes | compile s | status |",
+             "|---|---|---|---|---|---|"] + [f"| {' | '.join(r)} |" for r in record["rows"]]
+    header = (f"# Triton kernels compiled for sm_90 (no GPU needed)\n\nGenerated by "
+              f"`python -m benchmarks.kernels.compile_check` with Triton {record['triton']}: every launch "
+              f"configuration of `peftplug_kernels/*/triton.py`, compiled by Triton's bundled ptxas for Hopper. "
+              f"Registers are per thread (255 max); stack bytes > 0 are registers spilled to local memory.\n\n")
+    return header + "\n".join(table) + "\n"
+
+
+def report(results: Path = RESULTS, page: Path = PAGE) -> bool:
+    """Renders the page from a committed result file. Returns whether
+    there was one (:func:`benchmarks.common.pages.render_results`).
+
+    Args:
+        results: The JSON :func:`main` wrote.
+        page: The Markdown page.
+    """
+
+    def render_page(record) -> None:
+        write_page(page, render(record))
+
+    return render_results(results, render_page)
+
+
+def main(argv=None) -> int:
+    """Compiles every configuration and prints a row each (``--out``: keeps them and writes the page).
+
+    Args:
+        argv: Command-line arguments.
+    """
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
+    parser.add_argument("--report", action="store_true", help="render the page from the committed results; exit")
+    args = parser.parse_args(argv)
+    if args.report:
+        if not report():
+            raise SystemExit(f"no result file at {RESULTS}: run with --out {PAGE} first")
+        return 0
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    # A private cache: compile seconds are real (not cache hits) and the user's cache is left alone.
+    cache = tempfile.TemporaryDirectory()
+    os.environ["TRITON_CACHE_DIR"] = cache.name
+    target = GPUTarget("cuda", 90, 32)
+    rows, failures = [], 0
+    for label, kernel, types, const, options in _configs():
+        started = time.perf_counter()
+        try:
+            compiled = triton.compile(ASTSource(kernel, _signature(kernel, types, const), constexprs=const),
+                                      target=target, options=options)
+            shared = int(compiled.metadata.shared)
+            res = _resources(compiled.asm["cubin"])
+            ok = shared <= SM90_SHARED_LIMIT
+            row = (label, f"{shared / 1024:.0f}", str(res["regs"]), str(res["stack"]),
+                   f"{time.perf_counter() - started:.1f}", "ok" if ok else "shared memory over 227 KB")
+        except Exception as err:  # noqa: BLE001  (report every configuration, then fail)
+            ok = False
+            row = (label, "-", "-", "-", f"{time.perf_counter() - started:.1f}", f"{type(err).__name__}: {err}"[:120])
+        failures += not ok
+        rows.append(row)
+        print(" | ".join(row), flush=True)
+    if args.out:
+        page, results = outputs(args.out, PAGE, RESULTS)
+        write_json(results, {"triton": triton.__version__, "rows": [list(r) for r in rows],
+                             "provenance": provenance(("peftplug_kernels", "benchmarks/kernels"))})
+        report(results, page)
+    cache.cleanup()
+    print(f"{len(rows) - failures}/{len(rows)} configurations compile within sm_90 limits")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
