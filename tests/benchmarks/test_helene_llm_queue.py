@@ -260,3 +260,21 @@ def test_follow_ups_wait_for_the_sweep_whose_lr_they_borrow(runs_dir):
     assert helene_llm.phase_specs("followup") == []
     waiting = [why for s, why in helene_llm.queue() if s is None and "mezo_rademacher" in why]
     assert waiting and all("waits for mezo's lr sweep" in why for why in waiting)
+
+
+def test_each_registered_optimizer_builds_and_the_page_reads_its_entry():
+    from benchmarks.helene.smollm2 import report
+
+    expected = {"mezo": "ZOSGD", "mezo_rademacher": "ZOSGD", "zoadam": "ZOAdam", "helene": "Helene",
+                "helene_anneal": "Helene", "adamw_lora": "AdamW"}
+    assert set(helene_llm_runs.OPTIMIZERS) == set(expected)
+    for method, entry in helene_llm_runs.OPTIMIZERS.items():
+        spec = helene_llm_runs.RunSpec("sst2", 42, method, lr=1e-3, steps=1)
+        params = [torch.nn.Parameter(torch.zeros(3))]
+        opt = helene_llm_runs.optimizer_factory(spec)(params)
+        assert type(opt).__name__ == expected[method]
+        assert entry.zeroth_order == (method in helene_llm_runs.ZO_METHODS) == (method != "adamw_lora")
+        assert report.NAMES[method] == entry.label and entry.forwards_per_step == (2 if entry.zeroth_order else 1)
+    assert helene_llm_runs.METHODS[0] == "zeroshot" and set(helene_llm_runs.METHODS[1:]) == set(expected)
+    with pytest.raises(ValueError, match="method: no optimizer 'fzoo'"):
+        helene_llm_runs.optimizer_factory(helene_llm_runs.RunSpec("sst2", 42, "fzoo", lr=1e-3, steps=1))
