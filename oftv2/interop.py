@@ -56,7 +56,9 @@ from .layer import OFTv2Layer, bound_q
 PEFT_KEY = ".oft_R.weight"
 # PEFT keeps an Embedding layer's rotation under its own attribute (same layout, rotation on the output).
 PEFT_EMBEDDING_KEY = ".oft_embedding_R.weight"
-OFTV2_KEY = ".oftv2_Q"
+OFTV2_KEY = ".oftv2_Q.weight"
+# The key adapters saved before oftv2.adapter_params had (still loadable).
+OFTV2_LEGACY_KEY = ".oftv2_Q"
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 # Fields both configs share under the same name and meaning.
@@ -204,19 +206,21 @@ def state_dict_to_peft_oft(
     negates Q.
 
     Args:
-        state_dict: Keys ``...oftv2_Q`` (as ``get_peft_model_state_dict`` returns them).
+        state_dict: Keys ``...oftv2_Q.weight`` (as ``get_peft_model_state_dict`` returns them; the older
+            ``...oftv2_Q`` too).
         config: The adapter's config.
-        embedding_modules: Module paths (the keys without ``.oftv2_Q``) of ``nn.Embedding`` layers, whose
+        embedding_modules: Module paths (the keys without ``.oftv2_Q.weight``) of ``nn.Embedding`` layers, whose
             rotation PEFT stores as ``oft_embedding_R``.
     """
     sign = _negates(oftv2_terms_to_peft(config.orthogonalization, config.neumann_terms) is None)
     embedding_modules = embedding_modules or set()
     out = {}
     for key, value in state_dict.items():
-        if key.endswith(OFTV2_KEY):
-            module = key[: -len(OFTV2_KEY)]
-            suffix = PEFT_EMBEDDING_KEY if module in embedding_modules else PEFT_KEY
-            out[module + suffix] = sign * bound_q(value, config.max_q_norm)
+        suffix = next((k for k in (OFTV2_KEY, OFTV2_LEGACY_KEY) if key.endswith(k)), None)
+        if suffix is not None:
+            module = key[: -len(suffix)]
+            peft_key = PEFT_EMBEDDING_KEY if module in embedding_modules else PEFT_KEY
+            out[module + peft_key] = sign * bound_q(value, config.max_q_norm)
         else:
             out[key] = value
     return out

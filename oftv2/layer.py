@@ -27,6 +27,7 @@ from torch import nn
 from peftplug_kernels import ops
 from peftplug_kernels.cayley_neumann.reference import triangle_size
 
+from .adapter_params import AdapterParameterDict
 from .config import OFTv2Config
 
 
@@ -149,8 +150,9 @@ class OFTv2Layer(BaseTunerLayer):
 
     def __init__(self, base_layer: nn.Module, **kwargs) -> None:
         self.base_layer = base_layer
-        # Strict upper triangles of the skew blocks: [n_blocks (1 if shared), b(b-1)/2] per adapter.
-        self.oftv2_Q = nn.ParameterDict({})
+        # Strict upper triangles of the skew blocks: [n_blocks (1 if shared), b(b-1)/2] per adapter, named
+        # `oftv2_Q.<adapter>.weight` as PEFT's module-based tuners name theirs (see oftv2.adapter_params).
+        self.oftv2_Q = AdapterParameterDict()
         self.oftv2_block_size: dict[str, int] = {}
         self.oftv2_n_blocks: dict[str, int] = {}
         self.oftv2_settings: dict[str, RotationSettings] = {}

@@ -10,6 +10,7 @@ from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils import TRANSFORMERS_MODELS_TO_OFT_TARGET_MODULES_MAPPING
 from torch import nn
 
+from .adapter_params import upgrade_legacy_keys
 from .config import OFTv2Config
 from .conv import dispatch_conv2d
 from .embedding import dispatch_embedding
@@ -99,6 +100,20 @@ class OFTv2Model(BaseTuner):
             if not any(m in str(err) for m in _NO_MATCH_MESSAGES):
                 raise
             raise type(err)(f"{err} {adaptable_modules_hint(model)}") from err
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
+        """PEFT (>= 0.21) maps checkpoint keys onto the model's; adapters saved before ``oftv2.adapter_params``
+        name their tensors ``<layer>.oftv2_Q`` instead of ``<layer>.oftv2_Q.weight``: renamed first.
+
+        Args:
+            model: The PEFT model.
+            config: The adapter's config.
+            adapter_name: Name the adapter is loaded under.
+            state_dict: The checkpoint's tensors (adapter name removed).
+        """
+        state_dict = upgrade_legacy_keys(state_dict, OFTv2Layer.adapter_layer_names)
+        return super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
 
     def _create_and_replace(
         self, config, adapter_name, target, target_name, parent, current_key, **optional_kwargs

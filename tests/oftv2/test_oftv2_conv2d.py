@@ -176,7 +176,7 @@ def test_training_step_changes_output_and_disable_restores_base():
         base = model(x)
     peft_model = peft.get_peft_model(model, OFTv2Config(target_modules=["0", "2", "4"], block_size=4))
     assert {n for n, p in peft_model.named_parameters() if p.requires_grad} == {
-        f"base_model.model.{i}.oftv2_Q.default" for i in (0, 2, 4)
+        f"base_model.model.{i}.oftv2_Q.default.weight" for i in (0, 2, 4)
     }
     optimizer = torch.optim.Adam([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(2):

@@ -82,7 +82,7 @@ def test_peft_exact_path_is_transposed_rotation(tiny_model, tokens):
         reference = oft(tokens).logits
     config = oftv2_config_from_oft(oft.peft_config["default"])
     v2 = peft.get_peft_model(tiny_model("llama", seed=0), config).eval()
-    raw = {k.replace(".oft_R.weight", ".oftv2_Q"): v for k, v in get_peft_model_state_dict(oft).items()}
+    raw = {k.replace(".oft_R.weight", ".oftv2_Q.weight"): v for k, v in get_peft_model_state_dict(oft).items()}
     peft.set_peft_model_state_dict(v2, raw)  # same Q, no negation: the inverse rotation
     with torch.no_grad():
         assert (v2(tokens).logits - reference).abs().max() > 1e-3

@@ -32,7 +32,7 @@ def test_round_trip_in_process(tiny_model, tokens, tmp_path):
     files = sorted(p.name for p in tmp_path.iterdir())
     assert "adapter_model.safetensors" in files and "second" in files
     saved = load_file(tmp_path / "adapter_model.safetensors")
-    assert saved and all(k.endswith(".oftv2_Q") for k in saved)
+    assert saved and all(k.endswith(".oftv2_Q.weight") for k in saved)
     assert json.loads((tmp_path / "adapter_config.json").read_text())["peft_type"] == "OFTV2"
     loaded = PeftModel.from_pretrained(tiny_model("llama", seed=0), tmp_path)
     loaded.load_adapter(tmp_path / "second", adapter_name="second")
@@ -89,7 +89,7 @@ def test_state_dict_holds_only_adapter_tensors(tiny_model):
     peft_model = _trained(tiny_model)
     state = peft.get_peft_model_state_dict(peft_model)
     n_layers = sum(1 for m in peft_model.modules() if isinstance(m, oftv2.OFTv2Layer))
-    assert len(state) == n_layers and all(k.endswith("oftv2_Q") for k in state)
+    assert len(state) == n_layers and all(k.endswith("oftv2_Q.weight") for k in state)
 
 
 def test_modules_to_save_round_trip_and_is_trainable(tiny_model, tokens, tmp_path):
