@@ -58,6 +58,10 @@ class OFTv2Config(PeftConfig):
         layers_to_transform: Layer indices to adapt (int or list of non-negative ints).
         layers_pattern: Name of the ``nn.ModuleList`` holding the layers (needs ``layers_to_transform``).
         modules_to_save: Extra modules trained fully and saved with the adapter (e.g. a classifier head).
+        trainable_token_indices: Token ids whose embedding rows train (PEFT's trainable tokens, as in
+            ``LoraConfig``): a list of ids for the input embedding, or ``{embedding module name: [ids]}``. TRL's
+            ``SFTTrainer`` fills it in (with ``modules_to_save=["lm_head"]``) when its ``chat_template_path``
+            adds tokens to the tokenizer. Give the layer either here or in ``modules_to_save``, not both.
         bias: ``"none"``, ``"all"`` or ``"oftv2_only"``: which biases are trained.
         fan_in_fan_out: Whether the targeted weights are stored ``in × out`` (GPT-2 ``Conv1D``); set
             automatically for ``Conv1D`` layers.
@@ -97,6 +101,9 @@ class OFTv2Config(PeftConfig):
     )
     modules_to_save: list[str] | None = field(
         default=None, metadata={"help": "Extra modules to train and save (e.g. the classifier)."}
+    )
+    trainable_token_indices: list[int] | dict[str, list[int]] | None = field(
+        default=None, metadata={"help": "Token ids whose embedding rows train (PEFT trainable tokens)."}
     )
     bias: Literal["none", "all", "oftv2_only"] = field(
         default="none", metadata={"help": f"One of {BIAS_CHOICES}."}
@@ -182,6 +189,7 @@ class OFTv2Config(PeftConfig):
             raise ValueError(
                 f"`modules_to_save` must be None or a list of module names, got {self.modules_to_save!r}"
             )
+        _check_token_indices(self.trainable_token_indices)
         layers = self.layers_to_transform
         if layers is not None:
             items = [layers] if not isinstance(layers, (list, tuple)) else list(layers)
@@ -195,6 +203,22 @@ class OFTv2Config(PeftConfig):
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_token_indices(value) -> None:
+    """``trainable_token_indices``: None, a list of token ids >= 0, or ``{module name: [ids]}``."""
+    if value is None:
+        return
+    lists = list(value.values()) if isinstance(value, dict) else [value]
+    names_ok = not isinstance(value, dict) or all(isinstance(k, str) and k for k in value)
+    if names_ok and all(
+        isinstance(ids, (list, tuple)) and all(_is_int(i) and i >= 0 for i in ids) for ids in lists
+    ):
+        return
+    raise ValueError(
+        "`trainable_token_indices` must be None, a list of token ids >= 0, or a dict {embedding module name: "
+        f"[token ids >= 0]}}, got {value!r}"
+    )
 
 
 def _check_names(field_name: str, value, allow_none: bool) -> None:

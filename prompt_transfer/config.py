@@ -36,6 +36,9 @@ class PCTConfig(PromptLearningConfig):
         target_task: Name of the target task (optional). A target that is also one of the source tasks is refused
             (its test set would have shaped a source prompt: leakage); names compare case- and punctuation-blind
             (``SST-2`` = ``sst2``).
+        trainable_token_indices: Must stay ``None``. The field exists because TRL's ``SFTTrainer`` reads and sets
+            it when its ``chat_template_path`` adds tokens; creating the adapter then refuses with a one-line reason
+            (the exported plain prompt-tuning adapter could not carry trained token rows).
     """
 
     decomposition_path: str | None = field(default=None, metadata={"help": "Directory of the decomposition"})
@@ -47,6 +50,9 @@ class PCTConfig(PromptLearningConfig):
     contrastive_weight: float = field(default=0.01, metadata={"help": "Weight of the auxiliary InfoNCE loss"})
     contrastive_temperature: float = field(default=0.5, metadata={"help": "Temperature of the InfoNCE loss"})
     target_task: str | None = field(default=None, metadata={"help": "Target task; refused if it is a source"})
+    trainable_token_indices: list | dict | None = field(
+        default=None, metadata={"help": "Must stay None: PCT trains no token embeddings"}
+    )
 
     def __post_init__(self):
         super().__post_init__()

@@ -108,6 +108,13 @@ class PCTPromptEncoder(BasePromptEncoder):
 
     def __init__(self, config, word_embeddings=None):
         super().__init__()
+        if getattr(config, "trainable_token_indices", None) is not None:
+            # TRL's SFTTrainer sets it after the config was built, so __post_init__ cannot catch it.
+            raise ValueError(
+                f"PCTConfig.trainable_token_indices must be None, got {config.trainable_token_indices!r}: PCT trains a "
+                "soft prompt, not token embeddings (TRL sets it when chat_template_path adds tokens: keep the "
+                "tokenizer's own chat template, or set tokenizer.chat_template instead)"
+            )
         self.config = config
         repeats = config.num_transformer_submodules or 1
         self.embedding = PCTFusion(

@@ -50,6 +50,10 @@ class SteeringConfig(PeftConfig):
         blocks_path: Dotted path of the ``nn.ModuleList`` of decoder blocks, when the family registry
             (``steering.families``) does not know the model.
         target_modules: Filled in automatically from ``layers`` (the full names of the steered blocks).
+        modules_to_save: Must stay ``None``: a steering adapter holds vectors only. The field exists because TRL's
+            ``SFTTrainer`` reads and extends it (with ``trainable_token_indices``) when its ``chat_template_path``
+            adds tokens; creating the adapter then refuses with a one-line reason.
+        trainable_token_indices: Must stay ``None`` (see ``modules_to_save``).
     """
 
     layers: list[int] | None = field(default=None, metadata={"help": "0-based decoder blocks to steer."})
@@ -68,6 +72,10 @@ class SteeringConfig(PeftConfig):
     blocks_path: str | None = field(default=None, metadata={"help": "Dotted path of the block ModuleList."})
     target_modules: list[str] | str | None = field(
         default=None, metadata={"help": "Filled in from `layers`; do not set by hand."}
+    )
+    modules_to_save: list[str] | None = field(default=None, metadata={"help": "Must stay None (vectors only)."})
+    trainable_token_indices: list[int] | dict | None = field(
+        default=None, metadata={"help": "Must stay None (vectors only)."}
     )
 
     def __post_init__(self):
@@ -109,6 +117,18 @@ class SteeringConfig(PeftConfig):
                 raise ValueError(f"SteeringConfig.{name} must be one of {accepted}, got {value!r}")
         if self.hidden_size is not None and (not isinstance(self.hidden_size, int) or self.hidden_size <= 0):
             raise ValueError(f"SteeringConfig.hidden_size must be a positive int, got {self.hidden_size!r}")
+        self.check_vectors_only()
+
+    def check_vectors_only(self) -> None:
+        """Raises ``ValueError`` if ``modules_to_save`` or ``trainable_token_indices`` is set (also when a trainer
+        set it after construction, as TRL's ``SFTTrainer`` does for tokens its chat template added)."""
+        for name in ("trainable_token_indices", "modules_to_save"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"SteeringConfig.{name} must be None, got {getattr(self, name)!r}: a steering adapter trains "
+                    "only its vectors, not token embeddings or whole modules (TRL sets both when chat_template_path "
+                    "adds tokens: keep the tokenizer's own chat template, or set tokenizer.chat_template instead)"
+                )
 
     def layer_multiplier(self, layer: int) -> float:
         """Effective multiplier of ``layer`` (global times per-layer factor).

@@ -48,6 +48,7 @@ class SteeringModel(BaseTuner):
         return find_blocks(self.model, config.blocks_path)
 
     def _prepare_adapter_config(self, peft_config: SteeringConfig, model_config: dict) -> SteeringConfig:
+        peft_config.check_vectors_only()
         path, blocks = self._blocks(peft_config)
         bad = [i for i in peft_config.layers if i >= len(blocks)]
         if bad:

@@ -59,6 +59,10 @@ def test_r_instead_of_block_size():
         ({"layers_to_transform": []}, "layers_to_transform"),
         ({"layers_pattern": "layers"}, "layers_pattern"),
         ({"layers_pattern": 5, "layers_to_transform": [0]}, "layers_pattern"),
+        ({"trainable_token_indices": [1, -2]}, "trainable_token_indices"),
+        ({"trainable_token_indices": 5}, "trainable_token_indices"),
+        ({"trainable_token_indices": {"embed_tokens": [1.5]}}, "trainable_token_indices"),
+        ({"trainable_token_indices": {"": [1]}}, "trainable_token_indices"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs, field):
@@ -78,3 +82,21 @@ def test_round_trip_through_dict():
     )
     again = OFTv2Config(**{k: v for k, v in config.to_dict().items() if k != "peft_type"})
     assert again.to_dict() == config.to_dict()
+
+
+def test_trainable_token_indices_train_only_those_rows(tiny_model):
+    import peft
+    import torch
+
+    config = OFTv2Config(target_modules=["q_proj"], block_size=8, trainable_token_indices={"embed_tokens": [5, 7]})
+    model = peft.get_peft_model(tiny_model("llama"), config)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("oftv2_Q" in n for n in trainable) and any("trainable_tokens" in n for n in trainable)
+    embed = model.get_input_embeddings()
+    with torch.no_grad():
+        before = embed(torch.arange(10)[None]).clone()
+    model(torch.tensor([[5, 7, 9]])).logits.sum().backward()
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0).step()
+    with torch.no_grad():
+        moved = (embed(torch.arange(10)[None]) - before).abs().amax(-1)[0]
+    assert moved[5] > 0 and moved[7] > 0 and moved[[0, 1, 2, 3, 4, 6, 8, 9]].max() == 0
