@@ -398,7 +398,7 @@ def merge_docs(path: Path) -> None:
     """
     path = path.with_name("gpu_results.json") if path.suffix == ".md" else path
     write_json(RESULTS, read_json(path) or {}, indent=2)
-    report()
+    report(RESULTS, PAGE)
 
 
 def main(argv=None) -> dict:
@@ -416,7 +416,7 @@ def main(argv=None) -> dict:
         merge_docs(args.merge_docs)
         return {}
     if args.report:
-        if not report():
+        if not report(RESULTS, PAGE):
             raise SystemExit(f"no GPU result file at {RESULTS}: run benchmarks/gpu/run_all.sh on a GPU first")
         return {}
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1" and "peftplug_kernels.block_rotate.triton" not in sys.modules:

@@ -43,6 +43,32 @@ def test_gpu_benchmark_dry_run(tmp_path):
     assert "| QOFT (ours) |" in (tmp_path / "gpu_results.md").read_text()
 
 
+def test_merge_docs_commits_the_run_and_renders_the_gpu_section_only(tmp_path, monkeypatch):
+    from benchmarks.common.pages import read_section
+    from benchmarks.kernels import gpu
+
+    record = {"env": {"device": "NVIDIA H200", "torch": "2.13.0", "triton": "3.9.0", "bitsandbytes": "not installed",
+                      "dtype": "bfloat16", "dry_run": False},
+              "config": {"tokens": 4096, "width": 4096, "out": 4096, "block": 32}, "training": [],
+              "kernels": [{"op": "block_rotate", "impl": "triton", "fwd_ms": 0.5, "fwd_bwd_ms": 1.5,
+                           "fwd_bwd_peak_mib": 64.0, "max_rel_err": 1e-6}]}
+    run = tmp_path / "out"
+    run.mkdir()
+    (run / "gpu_results.json").write_text(json.dumps(record))
+    page = tmp_path / "qoft.md"
+    page.write_text("# QOFT\n\n<!-- qoft-cpu:begin -->\nCPU part\n<!-- qoft-cpu:end -->\n")
+    monkeypatch.setattr(gpu, "RESULTS", tmp_path / "results" / "gpu.json")
+    monkeypatch.setattr(gpu, "PAGE", page)
+    gpu.main(["--merge-docs", str(run / "gpu_results.md")])  # the .md names the run; its JSON is what is kept
+    assert json.loads(gpu.RESULTS.read_text()) == record
+    text = page.read_text()
+    assert read_section(text, "qoft-cpu") == "CPU part"
+    assert "| block_rotate | triton | 0.500 | 1.500 |" in read_section(text, "qoft-gpu")
+    page.write_text(text.replace("| block_rotate |", "| stale |"))
+    gpu.main(["--report"])
+    assert page.read_text() == text
+
+
 def test_gpu_benchmark_dry_run_without_bitsandbytes(tmp_path):
     # The H200 image has no bitsandbytes: the script must still time the other kernels and render a section.
     from peftplug_kernels._triton_available import triton_available
