@@ -3,14 +3,12 @@ invariance, the σ = 0 and non-finite skips, restore between probes, resume, and
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from torch.func import functional_call
 
 from helene import FZOO
-from tests.helene.zo_testing import closure, data, directions, mlp, params, step_seeds
+from tests.helene.zo_testing import checkpoint_round_trip, closure, data, directions, mlp, params, step_seeds
 
 
 def _loss_at(model, theta, x, y):
@@ -149,14 +147,9 @@ def test_resume_mid_run_is_bit_exact(dtype):
     for _ in range(3):
         opt.step(closure(first, x, y))
     opt.skipped_zero_std = 7  # counters travel too
-    buf = io.BytesIO()
-    torch.save({"model": first.state_dict(), "optim": opt.state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
-    resumed = mlp(seed=99, dtype=dtype)
-    resumed.load_state_dict(ckpt["model"])
+    resumed, saved = checkpoint_round_trip(first, opt, dtype)
     opt = make(resumed)
-    opt.load_state_dict(ckpt["optim"])
+    opt.load_state_dict(saved)
     assert (opt.step_count, opt.forward_passes, opt.skipped_zero_std) == (3, 15, 7)
     for _ in range(3):
         opt.step(closure(resumed, x, y))

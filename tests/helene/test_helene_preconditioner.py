@@ -3,14 +3,13 @@ c², Adam-style bias correction, exact invariance to the loss scale, resume, sta
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
 import torch
 
 from helene import ZOSGD, Helene, ZOAdam
-from tests.helene.zo_testing import closure, data, mlp, params, reference_directions
+from tests.helene.zo_testing import checkpoint_round_trip, closure, data, mlp, params, reference_directions
 
 
 def _groups(model, betas2=(0.99, 0.9)):
@@ -180,14 +179,9 @@ def test_resume_of_the_new_switches_is_bit_exact(make, dtype):
     first = mlp(dtype=dtype)
     opt = make(first.parameters())
     train(first, opt, 3)
-    buf = io.BytesIO()
-    torch.save({"model": first.state_dict(), "optim": opt.state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
-    resumed = mlp(seed=99, dtype=dtype)
-    resumed.load_state_dict(ckpt["model"])
+    resumed, saved = checkpoint_round_trip(first, opt, dtype)
     opt = make(resumed.parameters())
-    opt.load_state_dict(ckpt["optim"])
+    opt.load_state_dict(saved)
     assert opt.forward_passes == 6
     train(resumed, opt, 3)
     for (n, p), q in zip(full.named_parameters(), resumed.parameters()):

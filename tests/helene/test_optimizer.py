@@ -3,7 +3,6 @@ exact restore, determinism, resume, non-finite handling, memory."""
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 from torch.func import functional_call
 
 from helene import ZOSGD, Helene, ZOAdam, layerwise_param_groups
+from tests.helene.zo_testing import checkpoint_round_trip
 from tests.helene.zo_testing import closure as _closure
 from tests.helene.zo_testing import data as _data
 from tests.helene.zo_testing import mlp as _mlp
@@ -205,15 +205,9 @@ def test_resume_reproduces_uninterrupted_run(make, dtype):
 
     full, _ = train(6)
     first, opt = train(3)
-    buf = io.BytesIO()
-    torch.save({"model": first.state_dict(), "optim": opt.state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
-
-    resumed = _mlp(seed=99, dtype=dtype)  # different init: everything must come from the checkpoint
-    resumed.load_state_dict(ckpt["model"])
+    resumed, saved = checkpoint_round_trip(first, opt, dtype)
     opt = make(resumed.parameters())
-    opt.load_state_dict(ckpt["optim"])
+    opt.load_state_dict(saved)
     assert opt.step_count == 3
     for _ in range(3):
         opt.step(_closure(resumed, x, y))

@@ -3,6 +3,8 @@ directions of a step drawn independently of the optimizers, the documented way (
 
 from __future__ import annotations
 
+import io
+
 import torch
 
 from helene.zo import rademacher
@@ -55,3 +57,16 @@ def directions(model, seed, perturbation="gaussian"):
 def reference_directions(model, opt_seed, step_index=0, perturbation="gaussian"):
     """z of the ``step_index``-th step of a two-point optimizer seeded with ``opt_seed``."""
     return directions(model, step_seeds(opt_seed, step_index)[0], perturbation)
+
+
+def checkpoint_round_trip(model, opt, dtype=torch.float32):
+    """Saves model and optimizer through ``torch.save`` / ``torch.load(weights_only=True)``; returns a fresh
+    :func:`mlp` (another init, so everything must come from the checkpoint) with the weights loaded, and the
+    optimizer's loaded state dict."""
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    resumed = mlp(seed=99, dtype=dtype)
+    resumed.load_state_dict(ckpt["model"])
+    return resumed, ckpt["optim"]
