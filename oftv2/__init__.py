@@ -32,24 +32,33 @@ from .interop import (
     state_dict_from_peft_oft,
     state_dict_to_peft_oft,
 )
+from .lora_export import LoraExport, export_lora, load_oft_family_adapter, lora_from_oftv2, save_lora_export
+from .lora_export_eval import lora_applied, measure_lora_export
 
 __all__ = [
     "Conv2d",
     "Embedding",
     "LayerDiagnostics",
     "Linear",
+    "LoraExport",
     "NeumannDivergenceWarning",
     "OFTv2Config",
     "OFTv2Layer",
     "OFTv2Model",
+    "export_lora",
     "export_peft_oft_adapter",
     "format_diagnostics",
+    "load_oft_family_adapter",
     "load_peft_oft_adapter",
+    "lora_applied",
+    "lora_from_oftv2",
+    "measure_lora_export",
     "oft_config_from_oftv2",
     "oftv2_config_from_oft",
     "oftv2_terms_to_peft",
     "peft_terms_to_oftv2",
     "rotation_diagnostics",
+    "save_lora_export",
     "state_dict_from_peft_oft",
     "state_dict_to_peft_oft",
 ]
