@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 def randomize_q(model, std: float = 0.02, seed: int = 0) -> None:
@@ -12,3 +13,20 @@ def randomize_q(model, std: float = 0.02, seed: int = 0) -> None:
         for name, param in model.named_parameters():
             if "oftv2_Q" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
+class MixedLayers(nn.Module):
+    """Embedding, Conv2d and Linear layers (the conv and linear ones biased) plus a head for ``modules_to_save``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(10, 8)
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        h = self.embed(ids)  # [B, T, 8]
+        h = self.conv(h.transpose(1, 2)[..., None])[..., 0].transpose(1, 2)
+        return self.head(torch.relu(self.proj(h)))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import peft
 import pytest
 import torch
+from oftv2_helpers import MixedLayers
 from peft import PeftModel
 from torch import nn
 
@@ -24,23 +25,6 @@ import oftv2  # noqa: F401
 from oftv2 import OFTv2Config
 
 TARGETS = ["embed", "conv", "proj"]
-
-
-class _Mixed(nn.Module):
-    """Embedding, Conv2d and Linear layers plus a head for ``modules_to_save``."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(10, 8)
-        self.conv = nn.Conv2d(8, 8, 3, padding=1)
-        self.proj = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, ids):
-        h = self.embed(ids)  # [B, T, 8]
-        h = self.conv(h.transpose(1, 2)[..., None])[..., 0].transpose(1, 2)
-        return self.head(torch.relu(self.proj(h)))
 
 
 def _config(kind: str):
@@ -76,18 +60,18 @@ NOTHING: set[str] = set()
 
 def _run_path(kind: str, path: str, saved) -> set[str]:
     if path == "get_peft_model":
-        return _trainable(peft.get_peft_model(_Mixed(), _config(kind)))
+        return _trainable(peft.get_peft_model(MixedLayers(), _config(kind)))
     if path == "inject_adapter_in_model":
-        return _trainable(peft.inject_adapter_in_model(_config(kind), _Mixed()))
+        return _trainable(peft.inject_adapter_in_model(_config(kind), MixedLayers()))
     if path in ("add_adapter", "add_adapter+set_adapter"):
-        model = peft.get_peft_model(_Mixed(), _config(kind))
+        model = peft.get_peft_model(MixedLayers(), _config(kind))
         model.add_adapter("other", _config(kind))
         if path.endswith("set_adapter"):
             model.set_adapter("other")
         return _trainable(model)
     # "from_pretrained(T|F)[+load_adapter(T|F)][+set_adapter]"
     steps = path.split("+")
-    model = PeftModel.from_pretrained(_Mixed(), saved, is_trainable=steps[0].endswith("(T)"))
+    model = PeftModel.from_pretrained(MixedLayers(), saved, is_trainable=steps[0].endswith("(T)"))
     for step in steps[1:]:
         if step.startswith("load_adapter"):
             model.load_adapter(saved, adapter_name="other", is_trainable=step.endswith("(T)"))
@@ -119,7 +103,7 @@ def saved_adapters(tmp_path_factory):
     out = {}
     for kind in ("oftv2", "oft"):
         path = tmp_path_factory.mktemp(kind)
-        peft.get_peft_model(_Mixed(), _config(kind)).save_pretrained(path)
+        peft.get_peft_model(MixedLayers(), _config(kind)).save_pretrained(path)
         out[kind] = path
     return out
 
@@ -134,7 +118,7 @@ def test_requires_grad_follows_peft_rules(path, saved_adapters):
 def test_inactive_trainable_adapter_gets_no_gradient_and_training_moves_only_the_active_one(saved_adapters):
     """The one row where an inactive adapter is trainable: it takes no part in the forward, so it gets no
     gradient and an optimizer step leaves it unchanged."""
-    model = PeftModel.from_pretrained(_Mixed(), saved_adapters["oftv2"], is_trainable=True)
+    model = PeftModel.from_pretrained(MixedLayers(), saved_adapters["oftv2"], is_trainable=True)
     model.load_adapter(saved_adapters["oftv2"], adapter_name="other", is_trainable=True)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     before = {n: p.detach().clone() for n, p in params.items()}

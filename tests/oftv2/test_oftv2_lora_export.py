@@ -10,10 +10,9 @@ import json
 import peft
 import pytest
 import torch
-from oftv2_helpers import randomize_q
+from oftv2_helpers import MixedLayers, randomize_q
 from peft import PeftModel
 from safetensors.torch import load_file
-from torch import nn
 
 import oftv2
 from oftv2 import OFTv2Config, export_lora, lora_applied, lora_from_oftv2, measure_lora_export
@@ -83,24 +82,8 @@ def test_rank_is_clipped_per_layer_and_patterns_keep_scaling_one(tiny_model, tok
     assert big.ranks == big.full_ranks and big.config.r == 64
 
 
-class _Mixed(nn.Module):
-    """Embedding, a biased Conv2d and a biased Linear."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(10, 8)
-        self.conv = nn.Conv2d(8, 8, 3, padding=1)
-        self.proj = nn.Linear(8, 6)
-
-    def forward(self, ids):
-        h = self.embed(ids)
-        h = self.conv(h.transpose(1, 2)[..., None])[..., 0].transpose(1, 2)
-        return self.proj(torch.tanh(h))
-
-
 def test_embedding_conv_and_biases_round_trip(tmp_path):
-    model = peft.get_peft_model(_Mixed(), OFTv2Config(target_modules=["embed", "conv", "proj"], block_size=4))
+    model = peft.get_peft_model(MixedLayers(), OFTv2Config(target_modules=["embed", "conv", "proj"], block_size=4))
     randomize_q(model, std=0.1)
     ids = torch.tensor([[1, 4, 2, 9, 0]])
     with torch.no_grad():
@@ -112,12 +95,12 @@ def test_embedding_conv_and_biases_round_trip(tmp_path):
     assert saved["base_model.model.conv.lora_A.weight"].shape == (8, 8, 3, 3)
     assert saved["base_model.model.conv.lora_B.weight"].shape == (8, 8, 1, 1)
     assert not any("bias" in k for k in saved) and export.config.bias == "none"
-    lora = PeftModel.from_pretrained(_Mixed(), tmp_path / "lora").eval()
+    lora = PeftModel.from_pretrained(MixedLayers(), tmp_path / "lora").eval()
     with torch.no_grad():
         assert (lora(ids) - expected).abs().max() < 1e-5
         # OFT leaves biases alone: the merged OFTv2 model has the base biases.
         merged = model.merge_and_unload()
-    base = _Mixed()
+    base = MixedLayers()
     assert torch.equal(merged.conv.bias, base.conv.bias) and torch.equal(merged.proj.bias, base.proj.bias)
 
 
