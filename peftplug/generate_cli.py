@@ -97,7 +97,7 @@ class Generator:
         """
         import torch
 
-        from peftplug.data import pad_batch
+        from peftplug.data.base import pad_batch
 
         if max_new_tokens < 1:
             raise ConfigError(f"--max_new_tokens must be >= 1; got {max_new_tokens}")

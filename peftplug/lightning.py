@@ -149,7 +149,7 @@ class PeftModule(L.LightningModule):
             **batch: Model inputs (``input_ids``, ``attention_mask``, ``labels``, ...).
         """
         if self.task == "prompt_cls":
-            from peftplug.prompt_cls import prompt_cls_forward
+            from peftplug.prompt_scoring import prompt_cls_forward
 
             return prompt_cls_forward(self.model, batch)
         return self.model(**batch)

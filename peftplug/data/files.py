@@ -1,0 +1,175 @@
+"""Reading local data files (JSON, JSONL, CSV, TSV, Parquet) with ``datasets``, with one-line errors that name the
+file and its first bad line or row, and splitting a training file into train and validation.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+from peftplug.errors import ConfigError, DataError, MissingFileError, one_line
+
+_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
+
+
+def read_table(path: str, columns: Sequence[str]) -> dict[str, list]:
+    """Reads the named columns of a local JSON/JSONL/CSV/TSV/Parquet file with ``datasets``.
+
+    Args:
+        path: File path; the format follows the extension.
+        columns: Columns that must exist.
+
+    Returns:
+        A dict from column name to list of values.
+
+    Raises:
+        MissingFileError: If the file does not exist.
+        ConfigError: For an unsupported extension.
+        DataError: If the file cannot be parsed (the message names the file and its first bad line or row) or a
+            column is missing (the message lists the columns that exist).
+    """
+    import datasets
+    import pyarrow
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise MissingFileError(f"data file {str(p)!r} does not exist")
+    builder = _BUILDERS.get(p.suffix.lower())
+    if builder is None:
+        raise ConfigError(f"data file {p.name!r}: the extension must be one of {', '.join(_BUILDERS)}")
+    kwargs = {"delimiter": "\t"} if p.suffix.lower() == ".tsv" else {}
+    datasets.disable_progress_bars()
+    verbosity = datasets.logging.get_verbosity()
+    # The builders log their parse failure before raising; the DataError below says it once, with the line.
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        table = datasets.load_dataset(builder, data_files={"data": str(p)}, split="data", **kwargs)
+    except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowException, ValueError,
+            UnicodeDecodeError) as err:
+        raise DataError(f"data file {str(p)!r}: {_first_bad_record(p) or _innermost_message(err)}") from err
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise DataError(
+            f"data file {p.name!r} has no column {', '.join(map(repr, missing))}; "
+            f"its columns are: {', '.join(table.column_names)}"
+        )
+    return {c: table[c] for c in columns}
+
+
+def _innermost_message(err: BaseException) -> str:
+    """The message of the deepest cause of a reader error (``datasets`` wraps the parser's own error)."""
+    while err.__cause__ is not None or err.__context__ is not None:
+        err = err.__cause__ or err.__context__
+    return f"cannot be read as a table ({one_line(f'{type(err).__name__}: {err}', 300)})"
+
+
+def _first_bad_record(path: Path) -> str | None:
+    """Where a JSON/JSONL/CSV/TSV file stops parsing (``"line 5: ..."``), or ``None`` if it parses here.
+
+    ``datasets``' readers do not say which line is broken; re-reading with the standard library does.
+
+    Args:
+        path: The file that failed to load.
+    """
+    suffix = path.suffix.lower()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[: err.start].count(b"\n") + 1
+        return f"line {line}: not UTF-8 text (byte {err.object[err.start]:#04x})"
+    if suffix in (".csv", ".tsv"):
+        return _first_bad_csv_row(text, "\t" if suffix == ".tsv" else ",")
+    if suffix in (".json", ".jsonl"):
+        return _first_bad_json_line(text, suffix == ".jsonl")
+    return None
+
+
+def _first_bad_json_line(text: str, lines: bool) -> str | None:
+    """The first line of JSON Lines text that is not a JSON object; for a ``.json`` file that is not JSON Lines,
+    the position where the document stops parsing."""
+    if not lines:
+        try:
+            json.loads(text)
+            return None  # valid JSON: the failure is about its shape, which the reader's message tells
+        except json.JSONDecodeError as err:
+            whole = f"line {err.lineno}, column {err.colno}: not valid JSON ({err.msg})"
+        first = next((line for line in text.splitlines() if line.strip()), "")
+        if not first.lstrip().startswith("{"):
+            return whole
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            return f"line {number}, column {err.colno}: not valid JSON ({err.msg})"
+        if not isinstance(record, dict):
+            return f"line {number}: expected a JSON object per line, got {type(record).__name__}"
+    return None
+
+
+def _first_bad_csv_row(text: str, delimiter: str) -> str | None:
+    """The first row with more fields than the header, or where quoting breaks (``csv`` in strict mode)."""
+    reader = csv.reader(io.StringIO(text), delimiter=delimiter, strict=True)
+    start, header = 1, None  # a quoted field may span lines: a row is named by the line it starts on
+    try:
+        for row in reader:
+            if header is None:
+                header = row
+            elif len(row) > len(header):
+                return f"line {start}: {len(row)} fields, the header has {len(header)} ({', '.join(header)})"
+            start = reader.line_num + 1
+    except csv.Error as err:
+        hint = " (an unclosed quote?)" if "end of data" in str(err) else ""
+        return f"the row starting at line {start}: {err}{hint}"
+    return None if header is not None else "the file is empty (expected a header row)"
+
+
+def _split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Shuffled (train, validation) index lists with ``fraction`` of ``n`` in validation (at least one)."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    n_val = max(1, round(n * fraction))
+    if n_val >= n:
+        raise DataError(f"cannot split {n} examples into train and validation (val_fraction={fraction})")
+    return order[n_val:], order[:n_val]
+
+
+def check_val_fraction(val_fraction: float) -> None:
+    """Raises ``ConfigError`` unless ``0 < val_fraction < 1``.
+
+    Args:
+        val_fraction: The ``data.val_fraction`` setting.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in (0, 1); got {val_fraction}")
+
+
+def read_splits(files: dict[str, str | None], columns: Sequence[str], val_fraction: float,
+                seed: int) -> dict[str, dict[str, list]]:
+    """Reads the configured split files; without a validation file, holds out ``val_fraction`` of train.
+
+    Args:
+        files: ``{"train": path, "validation": path or None, "test": path or None}``.
+        columns: Columns every file must have (the first one sizes the held-out split).
+        val_fraction: Fraction of the training file held out when there is no validation file.
+        seed: Seed of that split.
+
+    Returns:
+        ``{split: {column: values}}`` for every split present.
+    """
+    if files["train"] is None:
+        raise ConfigError("data.train_file is required")
+    raw = {split: read_table(path, columns) for split, path in files.items() if path is not None}
+    if "validation" not in raw:
+        full = raw["train"]
+        train_idx, val_idx = _split(len(full[columns[0]]), val_fraction, seed)
+        raw["train"] = {k: [v[i] for i in train_idx] for k, v in full.items()}
+        raw["validation"] = {k: [v[i] for i in val_idx] for k, v in full.items()}
+    return raw

@@ -1,0 +1,110 @@
+"""Scoring prompt-classification batches: the label words' logits at the answer position, their cross-entropy, and
+predicted classes (see :mod:`peftplug.data.prompt_templates` for how prompts are built).
+
+    loss = cross_entropy(logits[answer position, label words], label)     accuracy = argmax over the label words
+
+Only the label words' rows of the LM head are computed (:func:`label_word_logits`): the full 49k-row head of
+SmolLM2 is ~17% of a forward pass. Prompts are left-padded, so the last position is the answer position of every
+row (rotary attention depends on relative positions only; the test suite checks padded against unpadded logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from peftplug.errors import DataError
+
+
+def _is_prompt_learning(model: torch.nn.Module) -> bool:
+    configs = getattr(model, "peft_config", None)
+    name = getattr(model, "active_adapter", None)
+    if not isinstance(configs, dict) or not isinstance(name, str) or name not in configs:
+        return False
+    return bool(getattr(configs[name], "is_prompt_learning", False))
+
+
+def label_word_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      word_ids: torch.Tensor) -> torch.Tensor:
+    """Logits of the label words at the last position of left-padded prompts: ``[batch, classes]``.
+
+    For a plain causal LM (or one with a weight adapter such as LoRA/OFTv2 inside it) this runs the decoder and
+    multiplies the last hidden state by the label words' rows of the LM head only. Where that shortcut would be
+    wrong — prompt-learning adapters (their virtual tokens are prepended by the PEFT wrapper), an adapted LM head,
+    logit soft-capping — it falls back to the full model with ``logits_to_keep=1`` (full head, last position).
+
+    Args:
+        model: A causal LM, optionally wrapped by PEFT.
+        input_ids: Left-padded prompts ``[batch, length]``.
+        attention_mask: Their attention mask.
+        word_ids: Label-word token ids ``[classes]``.
+    """
+    word_ids = word_ids.to(input_ids.device)
+    wrapped = hasattr(model, "get_base_model")
+    lm = model.get_base_model() if wrapped and not _is_prompt_learning(model) else model
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+    shortcut = (not (wrapped and lm is model) and isinstance(head, torch.nn.Linear) and decoder is not None
+                and decoder is not lm and not hasattr(head, "base_layer")
+                and getattr(lm.config, "final_logit_softcapping", None) is None)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+    if not (wrapped and lm is model):
+        # Positions counted over real tokens: a left-padded row then sees exactly the positions of its unpadded
+        # self (RoPE would only need relative positions; absolute position embeddings need this). PEFT's
+        # prompt-learning wrapper ignores position ids, so there the virtual tokens' distance to the text depends
+        # on the padding (a limitation of prompt tuning with left padding, not of this function).
+        inputs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+    if not shortcut:
+        return model(**inputs, logits_to_keep=1).logits[:, -1].index_select(-1, word_ids)
+    hidden = decoder(**inputs).last_hidden_state[:, -1]
+    bias = None if head.bias is None else head.bias.index_select(0, word_ids)
+    return F.linear(hidden, head.weight.index_select(0, word_ids), bias)
+
+
+@dataclass
+class PromptClsOutput:
+    """What :func:`prompt_cls_forward` returns: the mean loss (``None`` without labels) and the class logits."""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+def prompt_cls_forward(model: torch.nn.Module, batch: dict) -> PromptClsOutput:
+    """Label-word logits and cross-entropy of a prompt-classification batch.
+
+    Args:
+        model: A causal LM (optionally PEFT-wrapped).
+        batch: ``input_ids`` and ``attention_mask`` (left-padded), ``label_word_ids`` ``[classes]`` (or
+            ``[batch, classes]``, identical rows, as a DataLoader may stack it) and optionally ``labels`` (class
+            indices).
+    """
+    if "label_word_ids" not in batch:
+        raise DataError("task prompt_cls needs batches with 'label_word_ids' (use PromptClassificationData)")
+    words = batch["label_word_ids"]
+    if words.dim() == 2:
+        words = words[0]
+    logits = label_word_logits(model, batch["input_ids"], batch["attention_mask"], words)
+    labels = batch.get("labels")
+    loss = None if labels is None else F.cross_entropy(logits.float(), labels.to(logits.device))
+    return PromptClsOutput(loss=loss, logits=logits)
+
+
+def predict_labels(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The predicted class (argmax over the label words) and the gold class of every example, without gradients.
+
+    Args:
+        model: A causal LM (optionally PEFT-wrapped), in the mode the caller wants (eval for a zero-shot score).
+        batches: Prompt-classification batches with ``labels`` (see :func:`prompt_cls_forward`).
+
+    Returns:
+        ``(predicted, labels)``, two 1-D tensors of class indices on the CPU, in the batches' order.
+    """
+    predicted, labels = [], []
+    with torch.no_grad():
+        for batch in batches:
+            predicted.append(prompt_cls_forward(model, batch).logits.argmax(-1).cpu())
+            labels.append(batch["labels"].cpu())
+    return torch.cat(predicted), torch.cat(labels)
