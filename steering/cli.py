@@ -10,8 +10,9 @@ Examples::
     peftplug steering evaluate --model smollm2-135m-instruct --adapter happy/:4 --prompts prompts.txt \
         --scorer runs/sst2_classifier --questions facts.jsonl --out eval.json
 
-``--model`` is ``stories260k`` (or ``stories260k:<data dir>``; the real llama2.c model from the shared data
-directory), ``tiny:<family>``, a local model directory or a Hub id (see ``peftplug.loading``). A pairs JSONL has
+``--model`` is any name ``peftplug.loading`` knows: ``stories260k`` (or ``stories260k:<data dir>``; the real llama2.c
+model from the shared data directory), ``tiny:<family>``, ``smollm2-135m-instruct``, a local model directory or a
+Hub id. A pairs JSONL has
 one object per line with ``positive`` and ``negative`` (or ``pos``/``neg``) strings, or a 2-element list, or
 EasyEdit2's rows ``{"question", "matching", "not_matching"}`` (then the vector is EasyEdit2's CAA exactly).
 """
@@ -25,23 +26,14 @@ from pathlib import Path
 
 from peftplug.errors import ConfigError, DataError, MissingFileError
 
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
 
 def load_model_and_tokenizer(spec: str):
-    """Model (eval mode) and tokenizer of a ``--model`` spec.
+    """Model (eval mode) and left-padding tokenizer of a ``--model`` spec, through :mod:`peftplug.loading` (the one
+    loader, so ``peftplug fit`` and ``peftplug steering`` know the same names).
 
     Args:
-        spec: ``stories260k[:DATA_DIR]``, ``tiny:<family>``, a directory or a Hub id.
+        spec: ``stories260k[:DATA_DIR]``, ``tiny:<family>``, ``smollm2-135m-instruct``, a directory or a Hub id.
     """
-    if spec == "stories260k" or spec.startswith("stories260k:"):
-        from steering.stories260k import load_stories260k
-
-        data_dir = spec.split(":", 1)[1] if ":" in spec else DEFAULT_DATA_DIR
-        try:
-            return load_stories260k(data_dir)
-        except FileNotFoundError as err:
-            raise MissingFileError(str(err)) from None
     from peftplug.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(spec)

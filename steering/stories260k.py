@@ -14,7 +14,9 @@ are untouched. Greedy decoding from BOS then reproduces the story documented in 
 Example::
 
     from steering.stories260k import load_stories260k
-    model, tokenizer = load_stories260k("../shared/data")
+    model, tokenizer = load_stories260k()  # the shared data directory; or load_stories260k("path/to/data")
+
+``peftplug.loading`` loads it by the name ``stories260k`` (``peftplug fit``, ``peftplug steering``, ...).
 """
 
 from __future__ import annotations
@@ -25,15 +27,18 @@ from pathlib import Path
 
 import torch
 
+from peftplug.datadir import default_data_dir
+
 HEADER_FIELDS = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len")
 MODEL_FILE = "stories260K.bin"
 TOKENIZER_FILE = "tok512.model"
 BOS_ID, EOS_ID = 1, 2
 
 
-def _resolve_dir(path: str | os.PathLike) -> Path:
-    """Accepts either the shared data dir or its ``stories260K`` sub-folder."""
-    path = Path(path)
+def _resolve_dir(path: str | os.PathLike | None) -> Path:
+    """Accepts the shared data dir (``None``: :func:`peftplug.datadir.default_data_dir`) or its ``stories260K``
+    sub-folder."""
+    path = default_data_dir() if path is None else Path(path).expanduser()
     if (path / "stories260K" / MODEL_FILE).is_file():
         return path / "stories260K"
     if (path / MODEL_FILE).is_file():
@@ -134,11 +139,12 @@ def read_llama2c_state_dict(path: str | os.PathLike) -> tuple[dict, dict[str, to
     return h, sd
 
 
-def stories260k_model(data_dir: str | os.PathLike, dtype: torch.dtype = torch.float32):
+def stories260k_model(data_dir: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
     """Builds the ``LlamaForCausalLM`` of stories260K (eval mode).
 
     Args:
-        data_dir: The shared data directory (or its ``stories260K`` sub-folder).
+        data_dir: The shared data directory (or its ``stories260K`` sub-folder); ``None``: the default one
+            (``$PEFTPLUG_DATA_DIR``, else ``../shared/data`` beside the checkout).
         dtype: Parameter dtype.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -165,14 +171,15 @@ def stories260k_model(data_dir: str | os.PathLike, dtype: torch.dtype = torch.fl
     return model.to(dtype).eval()
 
 
-def stories260k_tokenizer(data_dir: str | os.PathLike, padding_side: str = "left"):
+def stories260k_tokenizer(data_dir: str | os.PathLike | None = None, padding_side: str = "left"):
     """The sentencepiece tokenizer of stories260K (``tok512.model``) as a transformers tokenizer.
 
     It encodes exactly like ``sentencepiece`` (BOS prepended, no EOS), pads with ``<unk>`` (id 0, the model
     has no pad token; padded positions are masked anyway) and decodes byte-fallback pieces properly.
 
     Args:
-        data_dir: The shared data directory (or its ``stories260K`` sub-folder).
+        data_dir: The shared data directory (or its ``stories260K`` sub-folder); ``None``: the default one
+            (``$PEFTPLUG_DATA_DIR``, else ``../shared/data`` beside the checkout).
         padding_side: ``"left"`` (what batched generation needs) or ``"right"``.
     """
     from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
@@ -191,11 +198,13 @@ def stories260k_tokenizer(data_dir: str | os.PathLike, padding_side: str = "left
     return tok
 
 
-def load_stories260k(data_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, padding_side: str = "left"):
+def load_stories260k(data_dir: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
+                     padding_side: str = "left"):
     """Model and tokenizer of stories260K.
 
     Args:
-        data_dir: The shared data directory (or its ``stories260K`` sub-folder).
+        data_dir: The shared data directory (or its ``stories260K`` sub-folder); ``None``: the default one
+            (``$PEFTPLUG_DATA_DIR``, else ``../shared/data`` beside the checkout).
         dtype: Parameter dtype of the model.
         padding_side: Tokenizer padding side.
 

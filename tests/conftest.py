@@ -17,7 +17,6 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DATA_DIR = Path(os.environ.get("PEFTPLUG_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
 
 # Where the kernel and QOFT tests run. By default on CPU, the Triton kernels through Triton's interpreter: Triton
 # reads TRITON_INTERPRET when a kernel is decorated, i.e. at the first import of a peftplug_kernels/*/triton.py module, and
@@ -28,6 +27,11 @@ DATA_DIR = Path(os.environ.get("PEFTPLUG_DATA_DIR", REPO_ROOT.parent / "shared" 
 ON_GPU = os.environ.get("PEFTPLUG_KERNELS_ON_GPU") == "1" and torch.cuda.is_available()
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
+
+# Imported after the environment above is set: importing peftplug imports PEFT (and through it triton, bitsandbytes).
+from peftplug.datadir import default_data_dir
+
+DATA_DIR = default_data_dir()
 
 
 @pytest.fixture
