@@ -103,6 +103,20 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config)
 
+    def __getattr__(self, name: str):
+        """Attributes of the wrapped block that the model reads from each layer (e.g. Qwen2's ``attention_type``
+        in transformers 5.0) resolve through to it, as they would without the adapter.
+
+        Args:
+            name: The attribute looked up.
+        """
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "base_layer" or "base_layer" not in self._modules:
+                raise
+            return getattr(self._modules["base_layer"], name)
+
     def update_layer(self, adapter_name: str, config: SteeringConfig) -> None:
         """Adds (or re-configures) ``adapter_name`` on this block; the vector starts at zero.
 

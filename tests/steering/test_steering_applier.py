@@ -280,3 +280,20 @@ def test_padding_after_the_prompt_is_still_masked_outside_generate(tiny_model, t
     steered = (seen["steered"] - seen["base"]).abs().amax(-1) > 0
     expected = batch["attention_mask"].bool() & (torch.arange(batch["input_ids"].shape[1]) >= 2)
     assert torch.equal(steered, expected)
+
+
+def test_block_attributes_resolve_through_the_steering_wrapper():
+    # Qwen2 in transformers 5.0 reads `attention_type` from each decoder layer, which steering wraps.
+    import peft
+
+    import steering
+    from peftplug.tiny import tiny_model
+
+    model = tiny_model("qwen2", seed=0)
+    block = model.model.layers[0]
+    block.attention_type = "full_attention"
+    wrapped = peft.get_peft_model(model, steering.SteeringConfig(layers=[0]))
+    layer = wrapped.base_model.model.model.layers[0]
+    assert isinstance(layer, steering.SteeringLayer) and layer.attention_type == "full_attention"
+    with pytest.raises(AttributeError):
+        layer.not_an_attribute_anywhere
