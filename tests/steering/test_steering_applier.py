@@ -296,4 +296,4 @@ def test_block_attributes_resolve_through_the_steering_wrapper():
     layer = wrapped.base_model.model.model.layers[0]
     assert isinstance(layer, steering.SteeringLayer) and layer.attention_type == "full_attention"
     with pytest.raises(AttributeError):
-        layer.not_an_attribute_anywhere
+        _ = layer.not_an_attribute_anywhere
