@@ -18,7 +18,6 @@ never imports it.
 
 from __future__ import annotations
 
-import functools
 import sys
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from peftplug.optional import bitsandbytes_available
 from peftplug.quantized_layout import (
     RepackedWeightError,
     is_repacked,
@@ -38,18 +38,8 @@ from .config import OFTv2Config
 from .layer import Linear
 
 
-@functools.lru_cache(maxsize=1)
-def bnb_available() -> bool:
-    """Whether bitsandbytes imports (cached; it is an optional dependency at run time)."""
-    try:
-        import bitsandbytes  # noqa: F401
-    except Exception:  # noqa: BLE001  (ImportError, or a broken native library raising something else)
-        return False
-    return True
-
-
 def _bnb():
-    if not bnb_available():
+    if not bitsandbytes_available():
         raise ImportError("quantized OFTv2 layers need bitsandbytes (pip install bitsandbytes)")
     import bitsandbytes
 

@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 METHOD_PACKAGES = ("oftv2", "helene", "prompt_transfer", "steering")
 OURS = {"peftplug", "peftplug_kernels", *METHOD_PACKAGES}
 LEAVES = {"peftplug.registry", "peftplug.fileio", "peftplug.errors", "peftplug.datadir", "peftplug.quantized_layout",
-          "peftplug_kernels"}
+          "peftplug.optional", "peftplug_kernels"}
 #: Folders that are not the repository's code.
-SKIP_DIRS = {".venv", "runs", "build", "dist", "node_modules", "__pycache__"}
+SKIP_DIRS = {".venv", ".venv-compat", "runs", "build", "dist", "node_modules", "__pycache__"}
 MAX_LOOSE_BENCHMARK_MODULES = 3
 
 
@@ -182,7 +182,7 @@ def test_a_method_package_imports_only_the_leaves_at_module_level(package):
 
 def test_the_leaves_import_no_method_package_or_trainer():
     paths = [ROOT / "peftplug" / f"{leaf}.py" for leaf in ("registry", "fileio", "errors", "datadir",
-                                                           "quantized_layout")]
+                                                           "quantized_layout", "optional")]
     paths += sorted((ROOT / "peftplug_kernels").rglob("*.py"))
     stray = {f"{path.relative_to(ROOT)}: {name}" for path in paths for name in module_level_imports(path)
              if not is_leaf(name)}

@@ -129,17 +129,10 @@ def _named_imports() -> dict[tuple[str, str], set[str]]:
     return found
 
 
-# Mentions that were wrong before the reorganisation, in files this test does not own (reported to their owner):
-# the zero-shot benchmark's docstring names ``peftplug.prompt_cls.TASKS``, which never existed (PROMPT_TASKS).
-KNOWN_STALE = {("peftplug.prompt_cls", "TASKS")}
-
-
 def test_every_peftplug_name_the_repository_imports_or_mentions_exists():
     """Recipes' class_path entries, docs, benchmarks and tests: each named peftplug object (or module) resolves."""
     missing = []
     for (module_name, name), where in sorted(_named_imports().items()):
-        if (module_name, name) in KNOWN_STALE:
-            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError:

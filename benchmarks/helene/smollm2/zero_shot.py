@@ -39,7 +39,7 @@ def zero_shot(task: str, model: torch.nn.Module, tokenizer) -> dict:
     """Zero-shot accuracy, label counts and prediction counts of one task on its fixed test subset.
 
     Args:
-        task: A :data:`peftplug.prompt_cls.TASKS` name.
+        task: A :data:`peftplug.prompt_cls.PROMPT_TASKS` name.
         model: The loaded ``prompt_cls`` model, in eval mode.
         tokenizer: Its tokenizer.
     """
