@@ -32,6 +32,7 @@ from peftplug.loading import (
     load_tokenizer,
     peft_config_to_dict,
 )
+from peftplug.quantized_layout import keep_exact_4bit_layout
 
 CHECKPOINT_KEY = "peftplug"
 CHECKPOINT_FORMAT = "adapter-only/1"
@@ -117,6 +118,10 @@ class PeftModule(L.LightningModule):
         elif isinstance(model, torch.nn.Module):
             if quantization != "none":
                 raise ConfigError("model.quantization needs a model name or path, not a built model")
+            # A model the user quantized: protect its 4-bit layers from bitsandbytes' CPU repacking from here on
+            # (validation and evaluate_before_fit run eval forwards before training), or refuse it if an earlier
+            # forward already repacked them -- for every adapter type, PEFT's LoRA included.
+            keep_exact_4bit_layout(model)
             base = model
         else:
             raise ConfigError(f"model must be a name/path or a torch.nn.Module; got {type(model).__name__}")

@@ -36,6 +36,7 @@ import torch
 from peftplug.errors import ConfigError, MissingFileError, one_line
 from peftplug.methods import import_plugin_for
 from peftplug.optional import bitsandbytes_available
+from peftplug.quantized_layout import keep_exact_4bit_layout
 
 TASKS = ("causal_lm", "seq_cls", "seq2seq", "prompt_cls")
 QUANTIZATIONS = ("none", "nf4", "fp4", "int8")
@@ -277,6 +278,9 @@ def load_model(
     if bnb is not None:
         from peft import prepare_model_for_kbit_training
 
+        # Before any forward: on AVX512-BF16 CPUs bitsandbytes would repack every 4-bit weight in place at the first
+        # eval forward (scales rounded to bf16, a matmul without autograd), whatever adapter comes later.
+        keep_exact_4bit_layout(model)
         # Casts norms to fp32 and makes the (frozen, quantized) body pass gradients to the adapters.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return model

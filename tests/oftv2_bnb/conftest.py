@@ -10,11 +10,12 @@ import torch
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
-    """A saved tiny random Llama (hidden 64, widths multiple of the 64-element quantization block)."""
-    from peftplug.tiny import tiny_model
+    """A saved tiny random Llama (hidden 64, widths multiple of the 64-element quantization block) with its tokenizer."""
+    from peftplug.tiny import char_tokenizer, tiny_model
 
     path = tmp_path_factory.mktemp("tiny_llama")
     tiny_model("llama", seed=0).save_pretrained(path)
+    char_tokenizer().save_pretrained(path)  # so PeftModule can load it by path, like any saved model
     return path
 
 

@@ -62,6 +62,8 @@ def dequantized_reference(qmodel, tiny_checkpoint) -> nn.Module:
         for name, layer in four_bit_layers(qmodel):
             assert not is_repacked(layer)
             weight = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state).float()
+            # A PeftModel's names carry its wrapper's prefix and the adapted layer's base_layer.
+            name = name.removeprefix("base_model.model.").removesuffix(".base_layer")
             modules[name].weight.copy_(weight)
     return ref
 
@@ -176,3 +178,36 @@ def test_models_without_4bit_layers_pass(tiny_checkpoint):
     from transformers import AutoModelForCausalLM
 
     assert keep_exact_4bit_layout(AutoModelForCausalLM.from_pretrained(tiny_checkpoint)) == 0
+
+
+@pytest.mark.parametrize("method", ["oftv2", "lora"])
+def test_peft_module_protects_every_adapter_type_before_any_forward(method, tiny_checkpoint, randomize, batch):
+    # Through the trainer, with no user mistake: validation / evaluate_before_fit run eval forwards before the
+    # first training step. The loader keeps every 4-bit layer exact, so the gradients equal the dequantized model's.
+    from peftplug.lightning import PeftModule
+
+    config = oftv2_config() if method == "oftv2" else lora_config()
+    module = PeftModule(str(tiny_checkpoint), task="causal_lm", quantization="nf4", peft=config)
+    if method == "oftv2":
+        randomize(module.model, std=0.05)
+    module.model.eval()
+    with torch.no_grad():
+        module.model(**batch)  # a plain eval forward outside Lightning
+    assert not repacked_layers(module.model)
+    ref = peft.get_peft_model(dequantized_reference(module.model, tiny_checkpoint), config)
+    copy_adapter(module.model, ref)
+    logits, grads = loss_and_grads(module.model, batch)
+    ref_logits, ref_grads = loss_and_grads(ref, batch)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    worst = max(rel(grads[n], ref_grads[n]) for n in ref_grads)
+    assert worst < 1e-3, f"adapter gradients differ from the dequantized model's by {worst:.2e}"
+
+
+@pytest.mark.parametrize("how", ["real", "simulated"])
+def test_peft_module_refuses_a_built_model_that_was_repacked(how, load_quantized, batch):
+    from peftplug.lightning import PeftModule
+
+    qmodel = load_quantized(4, "nf4", False)
+    repack(qmodel, how, batch)
+    with pytest.raises(RepackedWeightError, match="reload the model"):
+        PeftModule(qmodel, task="causal_lm", peft=lora_config())
