@@ -7,6 +7,12 @@ imported says which package to import.
 
 __version__ = "0.1.0"
 
+# Before the registry imports PEFT, which imports bitsandbytes (see peftplug.quantized_layout: the messages are
+# about a CPU kernel that only runs on repacked 4-bit weights, which peftplug never creates).
+from peftplug.quantized_layout import hide_unused_kernel_warning as _hide_unused_kernel_warning
+
+_hide_unused_kernel_warning()
+
 from peftplug.registry import install_load_hint as _install_load_hint
 
 _install_load_hint()

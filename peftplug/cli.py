@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from peftplug.errors import ConfigError, PeftplugError, one_line, run_command
+from peftplug.methods import METHOD_PACKAGES, import_method_packages  # noqa: F401
 
 # Recipes may name the method packages' configs and optimizers by class_path: they are imported (their PEFT types
 # registered) before parsing. Re-exported here, their historical home.
-from peftplug.methods import METHOD_PACKAGES, import_method_packages  # noqa: F401
 
 DEFAULT_ROOT_DIR = "runs"
 

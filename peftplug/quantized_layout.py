@@ -20,6 +20,7 @@ layer cannot exist otherwise), so method packages may use it.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterator
 
@@ -118,3 +119,34 @@ def keep_exact_4bit_layout(model: nn.Module) -> int:
         setattr(layer, REPACK_SWITCH, False)
         count += 1
     return count
+
+
+#: Start-up messages about bitsandbytes' AVX512-BF16 CPU kernel, which only multiplies repacked weights: bitsandbytes
+#: fetches it from the hub at import (through Hugging Face's `kernels`) and logs when it cannot (offline, or `kernels`
+#: absent), and `kernels` logs that it skips the trust check offline. {logger name: message prefix}.
+UNUSED_KERNEL_MESSAGES = {
+    "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward",
+    "kernels.hf_hub": "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'",
+}
+
+
+class _UnusedKernelMessages(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def hide_unused_kernel_warning() -> None:
+    """Drops the start-up messages about bitsandbytes' CPU hub kernel (idempotent; call before bitsandbytes loads).
+
+    That kernel only runs on repacked weights, which peftplug's loader never lets exist, so on AVX512-BF16 CPUs the
+    messages (error-looking lines on the first screen of every ``peftplug`` command) concern something peftplug does
+    not use. Every other message of those loggers is left alone.
+    """
+    for name, prefix in UNUSED_KERNEL_MESSAGES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _UnusedKernelMessages) for f in logger.filters):
+            logger.addFilter(_UnusedKernelMessages(prefix))
