@@ -19,9 +19,30 @@ from typing import Any
 import peft
 from packaging.version import Version
 
-# The PEFT versions whose internals (PeftType's enum maps, the mapping dicts) this module was written and
-# tested against. Outside the range we still try, but a failure names the version.
-SUPPORTED_PEFT = (Version("0.16.0"), Version("0.22.0"))
+# The PEFT versions whose internals (PeftType's enum maps, the mapping dicts, BaseTuner's hooks) this package was
+# written and tested against (docs/compatibility.md: 0.16-0.20 fail in our tuners and in PEFT's own save/load).
+# An older PEFT is refused at import; a newer one is tried, and a failure names the version.
+SUPPORTED_PEFT = (Version("0.21.0"), Version("0.22.0"))
+
+
+def check_peft_version(version: str | None = None) -> None:
+    """Refuses a PEFT older than :data:`SUPPORTED_PEFT` with one line, before its internals fail obscurely.
+
+    Args:
+        version: The version to check (default: the installed ``peft.__version__``).
+
+    Raises:
+        ImportError: Naming the installed version and the supported range.
+    """
+    version = peft.__version__ if version is None else version
+    if Version(version).release < SUPPORTED_PEFT[0].release:
+        raise ImportError(
+            f"peftplug needs PEFT >={SUPPORTED_PEFT[0]},<{SUPPORTED_PEFT[1]}; PEFT {version} is installed "
+            f"(pip install 'peft>={SUPPORTED_PEFT[0]},<{SUPPORTED_PEFT[1]}')"
+        )
+
+
+check_peft_version()
 
 #: peftplug's method packages (the one list), each with the PEFT types it registers when imported (``helene`` is an
 #: optimizer: none). ``peftplug.methods`` imports them before a recipe or checkpoint names their classes; the load

@@ -11,6 +11,7 @@ and ``PeftModel.from_pretrained`` of a saved PCT adapter work. Stages:
 5. baselines: :func:`spot_select`, :func:`prompt_tuning_config`.
 """
 
+import peftplug.registry  # noqa: F401  (first: refuses an unsupported PEFT in one line)
 from prompt_transfer.config import PCTConfig
 from prompt_transfer.decompose import (
     Decomposition,

@@ -189,3 +189,15 @@ def test_the_one_method_list_matches_what_each_package_registers():
             assert PLUGIN_PACKAGES[peft_type] == package
             assert known[peft_type].__module__.split(".")[0] == package, (peft_type, known[peft_type])
     assert set(PLUGIN_PACKAGES) == {t for types in METHOD_PACKAGES.values() for t in types}
+
+
+def test_an_older_peft_is_refused_in_one_line():
+    from peftplug.registry import SUPPORTED_PEFT, check_peft_version
+
+    check_peft_version(str(SUPPORTED_PEFT[0]))
+    check_peft_version("0.21.2")
+    check_peft_version("0.22.1")  # newer: tried, a failure later names the version
+    check_peft_version("0.21.0rc1")  # a pre-release of the supported minor is let through
+    for old in ("0.20.0", "0.16.0"):
+        with pytest.raises(ImportError, match=rf"needs PEFT >=0.21.0,<0.22.0; PEFT {old} is installed"):
+            check_peft_version(old)
