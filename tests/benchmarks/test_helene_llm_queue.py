@@ -267,6 +267,12 @@ def test_each_registered_optimizer_builds_and_the_page_reads_its_entry():
 
     expected = {"mezo": "ZOSGD", "mezo_rademacher": "ZOSGD", "zoadam": "ZOAdam", "helene": "Helene",
                 "helene_anneal": "Helene", "adamw_lora": "AdamW"}
+    # The equal-forward-pass comparison's optimizers (benchmarks.helene.smollm2.budget), each also on nf4.
+    added = {"fzoo4": "FZOO", "fzoo8": "FZOO", "helene_scalar": "Helene", "helene_scalar_bc": "Helene",
+             "hizoo": "Helene"}
+    nf4 = {f"{m}_nf4": expected.get(m) or added[m] for m in ("mezo", "mezo_rademacher", "zoadam", *added)}
+    forwards = {"fzoo4": 5, "fzoo8": 9, "hizoo": 2.1}
+    expected = {**expected, **added, **nf4}
     assert set(helene_llm_runs.OPTIMIZERS) == set(expected)
     for method, entry in helene_llm_runs.OPTIMIZERS.items():
         spec = helene_llm_runs.RunSpec("sst2", 42, method, lr=1e-3, steps=1)
@@ -274,7 +280,9 @@ def test_each_registered_optimizer_builds_and_the_page_reads_its_entry():
         opt = helene_llm_runs.optimizer_factory(spec)(params)
         assert type(opt).__name__ == expected[method]
         assert entry.zeroth_order == (method in helene_llm_runs.ZO_METHODS) == (method != "adamw_lora")
-        assert report.NAMES[method] == entry.label and entry.forwards_per_step == (2 if entry.zeroth_order else 1)
+        assert entry.quantization == ("nf4" if method in nf4 else "none")
+        assert report.NAMES[method] == entry.label
+        assert entry.forwards_per_step == forwards.get(method.removesuffix("_nf4"), 2 if entry.zeroth_order else 1)
     assert helene_llm_runs.METHODS[0] == "zeroshot" and set(helene_llm_runs.METHODS[1:]) == set(expected)
     with pytest.raises(ValueError, match="method: no optimizer 'fzoo'"):
         helene_llm_runs.optimizer_factory(helene_llm_runs.RunSpec("sst2", 42, "fzoo", lr=1e-3, steps=1))

@@ -85,16 +85,20 @@ class Optimizer:
             pairs; ``wrap`` turns a zeroth-order optimizer class into its journaled subclass (identity without a
             journal, see :func:`optimizer_factory`).
         forwards_per_step: Forward passes over a training batch per step (2 for two-point SPSA, N + 1 for FZOO's N
-            perturbations, 1 for AdamW plus its backward): comparisons at equal forward passes read it.
+            perturbations, 1 for AdamW plus its backward; a mean where steps differ, 2.1 for a centre pass every 10th
+            step). A planning number (run lengths, plots of the grid): the equal-forward-pass comparison
+            (:mod:`benchmarks.helene.smollm2.budget`) counts the optimizer's own ``forward_passes`` instead.
         zeroth_order: Trains every parameter without a backward, resumable from a journal; ``False``: first-order.
         peft: The adapter it trains (a PEFT config dict), or ``None`` for every parameter.
+        quantization: The base model's quantization (``PeftModule(quantization=...)``): ``none`` or ``nf4``.
     """
 
     label: str
     make: Callable
-    forwards_per_step: int
+    forwards_per_step: float
     zeroth_order: bool = True
     peft: dict | None = None
+    quantization: str = "none"
 
 
 def _zosgd(spec, wrap, **extra):
@@ -109,13 +113,20 @@ def _zoadam(spec, wrap):
     return partial(wrap(ZOAdam), lr=spec.lr, eps=spec.eps, seed=spec.split_seed)
 
 
-def _helene(spec, wrap, hessian):
+def _helene(spec, wrap, hessian, **extra):
     from helene import Helene
 
     # Defaults of helene.Helene (β 0.9/0.99, γ 1, λ 1 per tensor, k 10, T = 10% of the run), A-GNB scaled by the
-    # batch size; the ablation only swaps the estimator.
+    # batch size; the ablation only swaps the estimator (``extra``: the preconditioner switches).
     return partial(wrap(Helene), lr=spec.lr, eps=spec.eps, layerwise="tensor", batch_size=spec.batch_size,
-                   hessian=hessian, seed=spec.split_seed)
+                   hessian=hessian, seed=spec.split_seed, **extra)
+
+
+def _fzoo(spec, wrap, n_probes):
+    from helene import FZOO
+
+    # The authors' Rademacher probes; every other argument at FZOO's defaults.
+    return partial(wrap(FZOO), lr=spec.lr, eps=spec.eps, n_probes=n_probes, seed=spec.split_seed)
 
 
 def _adamw(spec, wrap):
@@ -135,6 +146,27 @@ OPTIMIZERS: dict[str, Optimizer] = {
                                   "target_modules": LORA_TARGETS}),
     "mezo_rademacher": Optimizer("MeZO, Rademacher z (follow-up)", partial(_zosgd, perturbation="rademacher"), 2),
 }
+#: The optimizers the equal-forward-pass comparison adds (:mod:`benchmarks.helene.smollm2.budget`, issue 27).
+#: "helene_scalar": momentum over the square root of one EMA of c² (``preconditioner="scalar"``), "_bc" with Adam's
+#: bias correction of that EMA (the ablation); "hizoo": the paper's HELENE with HiZOO's three-point curvature
+#: estimate (a third forward on each refresh step, every 10th).
+OPTIMIZERS.update({
+    "fzoo4": Optimizer("FZOO N=4", partial(_fzoo, n_probes=4), 5),
+    "fzoo8": Optimizer("FZOO N=8", partial(_fzoo, n_probes=8), 9),
+    "helene_scalar": Optimizer("HELENE scalar preconditioner",
+                               partial(_helene, hessian=None, preconditioner="scalar"), 2),
+    "helene_scalar_bc": Optimizer("HELENE scalar, bias-corrected",
+                                  partial(_helene, hessian=None, preconditioner="scalar", bias_correction=True), 2),
+    "hizoo": Optimizer("HELENE + HiZOO curvature", partial(_helene, hessian="curvature"), 2.1),
+})
+#: OFTv2 (block 32, every linear layer of the decoder) on an nf4 base: zeroth-order finetuning at 4-bit inference
+#: memory. One entry per zeroth-order optimizer above, so that whichever wins the comparison can run on nf4.
+OFTV2_B32 = {"peft_type": "OFTV2", "block_size": 32, "target_modules": LORA_TARGETS}
+OPTIMIZERS.update({
+    f"{name}_nf4": Optimizer(f"{OPTIMIZERS[name].label}, nf4 + OFTv2 b32", OPTIMIZERS[name].make,
+                             OPTIMIZERS[name].forwards_per_step, peft=OFTV2_B32, quantization="nf4")
+    for name in ("mezo", "mezo_rademacher", "zoadam", "fzoo4", "fzoo8", "helene_scalar", "helene_scalar_bc", "hizoo")
+})
 METHODS = ("zeroshot", *OPTIMIZERS)
 ZO_METHODS = tuple(name for name, opt in OPTIMIZERS.items() if opt.zeroth_order)
 
@@ -237,9 +269,11 @@ def build(spec: RunSpec, journal: list[list[float]] | None = None):
     from peftplug.prompt_cls import PromptClassificationData
 
     torch.manual_seed(spec.split_seed)  # LoRA's init draws from the global RNG
-    peft = OPTIMIZERS[spec.method].peft if spec.method in OPTIMIZERS else None
+    entry = OPTIMIZERS.get(spec.method)
+    peft = entry.peft if entry is not None else None
     optimizer = None if spec.method == "zeroshot" else optimizer_factory(spec, journal)
-    module = PeftModule(MODEL, task="prompt_cls", peft=peft, optimizer=optimizer)
+    module = PeftModule(MODEL, task="prompt_cls", peft=peft, optimizer=optimizer,
+                        quantization=entry.quantization if entry is not None else "none")
     data = PromptClassificationData(spec.task, data_dir=str(data_dir()), k=spec.k, split_seed=spec.split_seed,
                                     format=spec.fmt, max_test=spec.max_test, max_length=spec.max_length,
                                     batch_size=spec.batch_size,
@@ -327,25 +361,85 @@ def _trainer(spec: RunSpec, callbacks: list):
     )
 
 
-def execute(spec: RunSpec) -> dict:
+class RunHooks:
+    """What a study built on these runs changes about one; the grid's runs use this class as it is.
+
+    :func:`execute` asks it for the run's identity (name, settings, result and journal files), for Lightning
+    callbacks of its own (e.g. test points at fixed forward-pass budgets and a stop rule), and for fields it adds to
+    the journal and to the result. The equal-forward-pass comparison subclasses it
+    (:class:`benchmarks.helene.smollm2.budget_run.BudgetHooks`).
+
+    Args:
+        spec: The run's settings as :func:`build` takes them.
+    """
+
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+
+    @property
+    def run_id(self) -> str:
+        """The run's name (its files are named after it)."""
+        return self.spec.run_id
+
+    def settings(self) -> dict:
+        """The settings a journal must match to be replayed (and the result's ``spec``)."""
+        return asdict(self.spec)
+
+    def result_path(self) -> Path:
+        """Where the finished run's result goes."""
+        return result_path(self.spec)
+
+    def partial_path(self) -> Path:
+        """Where the journal of the unfinished run goes."""
+        return partial_path(PARTIAL, self.spec.run_id)
+
+    def callbacks(self, module, data, recorder: _Recorder, flush: Callable[[], None] | None) -> list:
+        """Lightning callbacks to add after the recorder's (``flush`` writes the journal, ``None`` without one).
+
+        Args:
+            module: The PeftModule.
+            data: Its data module (set up).
+            recorder: The run's :class:`_Recorder`.
+            flush: Writes the journal now.
+        """
+        return []
+
+    def resume(self, resumed: dict | None) -> None:
+        """Takes back what :meth:`fields` wrote into a journal that is being replayed (``None``: a fresh run).
+
+        Args:
+            resumed: The journal, or ``None``.
+        """
+
+    def fields(self) -> dict:
+        """Fields added to the journal and to the result."""
+        return {}
+
+
+def execute(spec: RunSpec, hooks: RunHooks | None = None) -> dict:
     """Runs ``spec`` and writes its result JSON (returns it).
 
     A zeroth-order run with a journal on disk (an earlier process was stopped mid-run) replays it and goes on
     from where it stopped; a replay that does not reproduce its validation points starts the run over.
+
+    Args:
+        spec: The run.
+        hooks: What a study changes about the run (default: the grid's run, :class:`RunHooks`).
     """
-    path = partial_path(PARTIAL, spec.run_id)
-    resumed = load_partial(path, asdict(spec), DEVICE) if spec.method in ZO_METHODS else None
+    hooks = hooks or RunHooks(spec)
+    path = hooks.partial_path()
+    resumed = load_partial(path, hooks.settings(), DEVICE) if spec.method in ZO_METHODS else None
     if resumed is not None:
-        print(f"resuming {spec.run_id} at step {len(resumed['steps'])} (replaying its journal)", flush=True)
+        print(f"resuming {hooks.run_id} at step {len(resumed['steps'])} (replaying its journal)", flush=True)
     try:
-        return _execute(spec, resumed)
+        return _execute(spec, resumed, hooks)
     except ReplayMismatch as err:
-        print(f"replay of {spec.run_id} failed ({err}): starting it over", flush=True)
+        print(f"replay of {hooks.run_id} failed ({err}): starting it over", flush=True)
         path.unlink(missing_ok=True)
-        return _execute(spec, None)
+        return _execute(spec, None, hooks)
 
 
-def _execute(spec: RunSpec, resumed: dict | None) -> dict:
+def _execute(spec: RunSpec, resumed: dict | None, hooks: RunHooks) -> dict:
     import lightning as L
 
     L.seed_everything(spec.split_seed, verbose=False)
@@ -354,7 +448,8 @@ def _execute(spec: RunSpec, resumed: dict | None) -> dict:
     segment = {"commit": _git_commit(), "from_step": len(resumed["steps"]) if resumed else 0, "started": started}
     segments = (resumed["segments"] if resumed else []) + [segment]
     journal = list(resumed["journal"]) if resumed else ([] if spec.method in ZO_METHODS else None)
-    path = partial_path(PARTIAL, spec.run_id)
+    path = hooks.partial_path()
+    hooks.resume(resumed)
     module, data = build(spec, journal)
     data.setup()
 
@@ -362,11 +457,12 @@ def _execute(spec: RunSpec, resumed: dict | None) -> dict:
         if len(journal) != len(recorder.steps):  # they grow together; a mismatch would resume wrongly
             return
         segment["seconds"] = time.time() - started
-        _write_json(path, {"spec": asdict(spec), "run_id": spec.run_id, "device": DEVICE, "segments": segments,
-                           "journal": journal, "steps": recorder.steps, "val": recorder.val})
+        _write_json(path, {"spec": hooks.settings(), "run_id": hooks.run_id, "device": DEVICE, "segments": segments,
+                           "journal": journal, "steps": recorder.steps, "val": recorder.val, **hooks.fields()})
 
     recorder = _Recorder(module, resumed, flush if journal is not None else None)
-    trainer = _trainer(spec, [recorder.callback])
+    trainer = _trainer(spec, [recorder.callback, *hooks.callbacks(module, data, recorder,
+                                                                   flush if journal is not None else None)])
     trainer.validate(module, datamodule=data, verbose=False)  # step-0 point of the curve
     if spec.steps > 0:
         trainer.fit(module, datamodule=data)
@@ -374,7 +470,7 @@ def _execute(spec: RunSpec, resumed: dict | None) -> dict:
     segment["seconds"] = time.time() - started
     opt = trainer.optimizers[0] if trainer.optimizers else None
     result = {
-        "spec": asdict(spec), "run_id": spec.run_id, "commit": segments[0]["commit"], "model": MODEL,
+        "spec": hooks.settings(), "run_id": hooks.run_id, "commit": segments[0]["commit"], "model": MODEL,
         "threads": torch.get_num_threads(), "device": device_name(),
         # The first process's start (journals of commit e4ca7ea have no "started": estimated from the seconds).
         "started": segments[0].get("started", started - sum(s["seconds"] for s in segments[:-1])),
@@ -395,6 +491,7 @@ def _execute(spec: RunSpec, resumed: dict | None) -> dict:
     if len(segments) > 1:
         # Resumed: each process's commit, first step and seconds (a replay's seconds are perturbation passes).
         result["segments"] = segments
-    _write_json(result_path(spec), result)
+    result.update(hooks.fields())
+    _write_json(hooks.result_path(), result)
     path.unlink(missing_ok=True)
     return result
