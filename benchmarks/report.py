@@ -20,6 +20,7 @@ from pathlib import Path
 
 from benchmarks.common.paths import DOCS
 from benchmarks.helene.minilm import bench as helene_minilm
+from benchmarks.helene.smollm2 import budget_report as helene_budget
 from benchmarks.helene.smollm2 import cli as helene_smollm2
 from benchmarks.helene.smollm2 import zero_shot
 from benchmarks.kernels import compile_check, gpu
@@ -46,6 +47,7 @@ PAGES: dict[str, list[tuple[str, Callable[[Path], bool] | str]]] = {
                                                           d / "helene.md"))],
     "helene_llm.md": [("page", lambda d: helene_smollm2.report(d / "helene_llm.md"))],
     "helene_llm_sweep.md": [("page", RECORD)],
+    "helene_budget.md": [("page", lambda d: helene_budget.write_report(d / "helene_budget.md"))],
     "prompt_cls_zero_shot.md": [("page", lambda d: zero_shot.report(d / "prompt_cls_zero_shot.md"))],
     "prompt_transfer.md": [("MiniLM part", lambda d: pct_minilm.report(pct_minilm.RESULTS, d / "prompt_transfer.md")),
                            ("pct-smollm2", IN_RUNS)],

@@ -266,7 +266,6 @@ def optimizer_factory(spec: RunSpec, journal: list[list[float]] | None = None):
 def build(spec: RunSpec, journal: list[list[float]] | None = None):
     """(PeftModule, PromptClassificationData) of a run (``journal``: see :func:`optimizer_factory`)."""
     from peftplug.lightning import PeftModule
-    from peftplug.prompt_cls import PromptClassificationData
 
     torch.manual_seed(spec.split_seed)  # LoRA's init draws from the global RNG
     entry = OPTIMIZERS.get(spec.method)
@@ -274,12 +273,24 @@ def build(spec: RunSpec, journal: list[list[float]] | None = None):
     optimizer = None if spec.method == "zeroshot" else optimizer_factory(spec, journal)
     module = PeftModule(MODEL, task="prompt_cls", peft=peft, optimizer=optimizer,
                         quantization=entry.quantization if entry is not None else "none")
+    return module, data_module(spec, module.tokenizer)
+
+
+def data_module(spec: RunSpec, tokenizer):
+    """The PromptClassificationData of a run (not set up), with ``tokenizer``.
+
+    Args:
+        spec: The run.
+        tokenizer: The model's tokenizer.
+    """
+    from peftplug.prompt_cls import PromptClassificationData
+
     data = PromptClassificationData(spec.task, data_dir=str(data_dir()), k=spec.k, split_seed=spec.split_seed,
                                     format=spec.fmt, max_test=spec.max_test, max_length=spec.max_length,
                                     batch_size=spec.batch_size,
                                     eval_batch_size=32, seed=spec.split_seed)
-    data.tokenizer = module.tokenizer
-    return module, data
+    data.tokenizer = tokenizer
+    return data
 
 
 class _Recorder:

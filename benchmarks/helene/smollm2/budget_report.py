@@ -1,0 +1,273 @@
+"""docs/benchmarks/helene_budget.md from the committed results of the equal-forward-pass comparison
+(:mod:`benchmarks.helene.smollm2.budget`; whatever has finished, the rest listed as the queue)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from benchmarks.common.fmt import fmt
+from benchmarks.common.pages import read_json, write_page
+from benchmarks.common.paths import DOCS
+from benchmarks.helene.smollm2 import budget, grid, runs
+from benchmarks.helene.smollm2.budget import (
+    BUDGET,
+    GRIDS,
+    NF4_GRIDS,
+    SEEDS,
+    SWEEP_BUDGET,
+    TEST_BUDGETS,
+    load_result,
+    queue,
+    selected,
+    sweep_score,
+    sweep_specs,
+)
+
+DOC = DOCS / "helene_budget.md"
+PLOT = "helene_budget_curves.png"
+LAUNCH = ("mkdir -p runs/helene_budget; for i in 0 1; do OMP_NUM_THREADS=1 setsid nohup .venv/bin/python -m "
+          "benchmarks.helene.smollm2.budget_cli run --shard $i/2 --no-report > runs/helene_budget/shard$i.log 2>&1 & "
+          "done")
+#: Methods of each table, in the queue's order.
+SST2_METHODS = ("fzoo4", "fzoo8", "helene_scalar", "helene_scalar_bc", "hizoo", "mezo", "mezo_rademacher", "zoadam")
+
+
+def _label(method: str) -> str:
+    return runs.OPTIMIZERS[method].label
+
+
+def _mean_std(values: list[float]) -> str:
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return f"{values[0]:.3f} (1 seed)"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def _runs(task: str, method: str) -> list[dict]:
+    """The finished full-budget runs of ``method`` on ``task``, seed order."""
+    lr, _ = selected(method)
+    if lr is None:
+        return []
+    found = [load_result(budget.main_spec(task, seed, method, lr)) for seed in SEEDS]
+    return [r for r in found if r is not None]
+
+
+def _test_at(result: dict, point: int) -> float | None:
+    return next((t["acc"] for t in result.get("tests", []) if t["budget"] == point), None)
+
+
+def _mean_at(results: list[dict], point: int) -> float | None:
+    """Mean test accuracy at a budget over the seeds, once every seed has it."""
+    values = [_test_at(r, point) for r in results]
+    return statistics.mean(values) if len(values) == len(SEEDS) and None not in values else None
+
+
+def _forwards_to(results: list[dict], target: float | None) -> int | None:
+    """The first test budget whose mean over the seeds reaches ``target``."""
+    if target is None:
+        return None
+    return next((b for b in TEST_BUDGETS if (m := _mean_at(results, b)) is not None and m >= target), None)
+
+
+def _forwards_per_step(results: list[dict]) -> float | None:
+    """Measured: forward passes of the optimizer's counter over its steps, all seeds together."""
+    passes = [r["steps"][-1].get("forward_passes") for r in results if r["steps"]]
+    steps = [len(r["steps"]) for r in results if r["steps"]]
+    return None if not passes or None in passes else sum(passes) / sum(steps)
+
+
+def _memory(mode: str) -> float | None:
+    record = read_json(budget.CACHE / f"memory_{mode}.json")
+    if record is None and mode in ("inference", "mezo"):  # the grid's fp32 measurements, same protocol
+        record = read_json(runs.CACHE / f"memory_{'mezo_full' if mode == 'mezo' else mode}.json")
+    return None if record is None else record.get("peak_rss_mib")
+
+
+def _rss_cell(mode: str, reference: str) -> str:
+    value, ref = _memory(mode), _memory(reference)
+    if value is None:
+        return "not measured"
+    return f"{value:.0f} MiB" + (f" ({value / ref:.2f}×)" if ref else "")
+
+
+def _table(task: str, methods, reference_rss: str = "inference") -> list[str]:
+    """The headline table of ``task``: per optimizer, forwards per step, lr, test accuracy at each budget, forward
+    passes to MeZO's final accuracy (ratio to MeZO's), peak RSS."""
+    mezo = _runs(task, "mezo")
+    target = _mean_at(mezo, BUDGET)
+    own = _forwards_to(mezo, target)
+    lines = ["| optimizer | forwards / step | lr | " + " | ".join(f"test acc @ {b} fwd" for b in TEST_BUDGETS)
+             + " | forwards to MeZO's final acc (× MeZO's) | peak RSS (× inference) | seeds |",
+             "|---|---|---|" + "---|" * len(TEST_BUDGETS) + "---|---|---|"]
+    for method in methods:
+        results = _runs(task, method)
+        lr, _ = selected(method)
+        cells = [_mean_std([v for r in results if (v := _test_at(r, b)) is not None]) for b in TEST_BUDGETS]
+        reach = _forwards_to(results, target)
+        if target is None or len(results) < len(SEEDS):
+            to = "—"
+        elif reach is None:
+            to = f"not within {BUDGET}"
+        else:
+            to = f"{reach}" + (f" ({reach / own:.2f}×)" if own else "")
+        per = _forwards_per_step(results)
+        lines.append(f"| {_label(method)} | {fmt(per, '.2f') if per else runs.OPTIMIZERS[method].forwards_per_step} "
+                     f"| {fmt(lr, 'g')} | " + " | ".join(cells) + f" | {to} | {_rss_cell(method, reference_rss)} | "
+                     f"{len(results)} of {len(SEEDS)} |")
+    lines += ["", ("MeZO's final accuracy (the target): " + (f"{target:.3f}" if target is not None else "not yet")
+                   + f"; a budget is reached when the mean over seeds {SEEDS} is at least that. Forwards per step: "
+                   "measured from the optimizers' counters where runs exist, else the planning number.")]
+    return lines
+
+
+def _reproducibility() -> list[str]:
+    """MeZO at 600 forward passes against the grid's 300-step MeZO runs (same protocol, same seeds: bit-identical
+    trajectories are expected)."""
+    lines = []
+    lr = grid.selected_lr("mezo")
+    for seed in SEEDS:
+        ours = load_result(budget.main_spec("sst2", seed, "mezo", lr))
+        theirs = runs.load_result(runs.RunSpec("sst2", seed, "mezo", lr=lr, steps=grid.MAIN_STEPS,
+                                               max_test=grid.MAX_TEST["sst2"]))
+        if ours is None or theirs is None:
+            lines.append(f"- seed {seed}: {'not run yet' if ours is None else 'no grid run on record'}")
+            continue
+        same = ours["test_acc"] == theirs["test_acc"]
+        losses = [s["loss"] for s in ours["steps"]] == [s["loss"] for s in theirs["steps"]]
+        lines.append(f"- seed {seed}: {ours['test_acc']:.4f} here, {theirs['test_acc']:.4f} in the grid "
+                     f"({'identical' if same else 'DIFFERENT'}; per-step losses {'identical' if losses else 'differ'})")
+    return lines
+
+
+def _sweeps() -> list[str]:
+    lines = [(f"| optimizer | lr | mean train loss, last third | test acc ({budget.SWEEP_MAX_TEST} examples) | "
+              "selected |"), "|---|---|---|---|---|"]
+    for method in (*GRIDS, *NF4_GRIDS):
+        chosen, _ = selected(method)
+        for spec in sweep_specs(method):
+            r = load_result(spec)
+            if r is None:
+                if method in GRIDS or method == "mezo_nf4":
+                    lines.append(f"| {_label(method)} | {spec.lr:g} | not run yet | | |")
+                continue
+            score = sweep_score(r)
+            lines.append(f"| {_label(method)} | {spec.lr:g} | {'diverged' if score == float('inf') else fmt(score)} "
+                         f"| {fmt(r['test_acc'])} | {'**yes**' if spec.lr == chosen else ''} |")
+    return lines
+
+
+def _nf4() -> list[str]:
+    lines = ["| run | lr | test acc @ 600 fwd | fp32 full-parameter counterpart | peak RSS (× nf4 inference) |",
+             "|---|---|---|---|---|"]
+    for method in NF4_GRIDS:
+        results = _runs("sst2", method)
+        if not results and method != "mezo_nf4":
+            continue
+        base = method.removesuffix("_nf4")
+        full = [r["test_acc"] for r in _runs("sst2", base)]
+        lines.append(f"| {_label(method)} | {fmt(selected(method)[0], 'g')} | "
+                     f"{_mean_std([r['test_acc'] for r in results])} | {_mean_std(full)} | "
+                     f"{_rss_cell(method, 'nf4_inference')} |")
+    lines += ["", f"nf4 inference alone: {_rss_cell('nf4_inference', 'inference')} (× fp32 inference)."]
+    return lines
+
+
+def _queue_listing() -> list[str]:
+    lines = ["| item | run | state |", "|---|---|---|"]
+    for name, spec, why in queue():
+        if spec is None:
+            lines.append(f"| {name} | — | waiting: {why} |")
+        else:
+            lines.append(f"| {name} | `{spec.run_id}` | {'done' if load_result(spec) else 'pending'} |")
+    return lines
+
+
+def _plot(page: Path, results: list[dict]) -> bool:
+    """Dev accuracy and training loss against forward passes and against wall time (SST-2 main runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not results:
+        return False
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    colors = {m: f"C{i}" for i, m in enumerate(SST2_METHODS)}
+    for r in results:
+        method, seed = r["spec"]["method"], r["spec"]["split_seed"]
+        steps = r["steps"]
+        passes = {0: 0, **{s["step"]: s.get("forward_passes", 0) for s in steps}}
+        clock, total = {0: 0.0}, 0.0
+        for s in steps:
+            total += s["time"]
+            clock[s["step"]] = total / 60
+        style, label = ("-" if seed == SEEDS[0] else "--"), f"{_label(method)} s{seed}"
+        smooth = [statistics.mean(x["loss"] for x in steps[max(0, i - 9):i + 1] if x["loss"] is not None)
+                  for i in range(len(steps))]
+        for col, axis in enumerate((passes, clock)):
+            axes[0][col].plot([axis[s["step"]] for s in steps], smooth, style, color=colors.get(method), label=label)
+            axes[1][col].plot([axis.get(v["step"], 0) for v in r["val"]], [v["acc"] for v in r["val"]], style,
+                              color=colors.get(method), label=label)
+    for col, xlabel in enumerate(("forward passes over a training batch", "wall time of the training steps (min)")):
+        axes[0][col].set_title("SST-2: training loss (running mean of 10 steps)")
+        axes[1][col].set_title("SST-2: dev accuracy (32 examples)")
+        for row in (0, 1):
+            axes[row][col].set_xlabel(xlabel)
+    axes[1][1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(page.parent / PLOT, dpi=80)
+    plt.close(fig)
+    return True
+
+
+def write_report(page: Path | None = None) -> bool:
+    """Writes the page (and its plot once runs have finished) from the committed results.
+
+    Args:
+        page: Another page to write (default: docs/benchmarks/helene_budget.md).
+
+    Returns:
+        True (the page always renders: with no results it lists the queue).
+    """
+    page = page or DOC
+    finished = [load_result(s) for _, s, _ in queue() if s is not None]
+    finished = [r for r in finished if r is not None]
+    main = [r for r in finished if r["spec"]["purpose"] == "main"]
+    lines = ["# Zeroth-order optimizers at equal forward passes (SmolLM2-135M-Instruct)", "",
+             ("Generated by `python -m benchmarks.helene.smollm2.budget_cli report` from "
+              "`benchmarks/helene/results/helene_budget/` (one JSON per finished run); the study: "
+              "`benchmarks/helene/smollm2/budget.py`. Do not edit by hand."), "",
+             (f"Protocol: MeZO's prompt protocol as in [the grid](helene_llm.md) — SST-2 k=16, split seeds "
+              f"{' and '.join(map(str, SEEDS))}, batch 16, full parameters, ε = 1e-3, plain template, max_length 256, "
+              f"the full 872-example test set — but every optimizer gets the same budget of **{BUDGET} forward "
+              f"passes** over a training batch (MeZO's 300 steps), counted by the optimizer's own `forward_passes` "
+              f"counter. Test set at the first step whose counter reaches {', '.join(map(str, TEST_BUDGETS))}; dev "
+              f"set (32 examples) every ~{budget.DEV_EVERY} forward passes. Each new optimizer's lr from a sweep on "
+              f"seed 42 at {SWEEP_BUDGET} forward passes (lowest mean training loss over the last third of the "
+              "steps); MeZO, MeZO-Rademacher and ZO-Adam at the grid's selected lrs."), ""]
+    if not finished:
+        lines += ["**Not yet run.** Launch (one process per core, resumable; `queue` shows the state):", "",
+                  f"    {LAUNCH}", ""]
+    lines += ["## SST-2: the comparison", ""] + _table("sst2", SST2_METHODS)
+    lines += ["", "Reproducibility: MeZO at 600 forward passes against the grid's recorded 300-step runs:", ""]
+    lines += _reproducibility()
+    if _plot(page, main):
+        lines += ["", f"![curves]({PLOT})"]
+    lines += ["", "## Second task: CR", "", ("AdamW-LoRA r=8 (the grid's settings: lr 1e-3, 300 steps, one forward "
+              "and one backward each) checks that SmolLM2 learns CR from k=16; then MeZO and the two new optimizers "
+              "with the best SST-2 accuracy at 600 forward passes, at their SST-2 lrs (full 1000-example test set)."),
+              ""]
+    cr = ["adamw_lora", "mezo"] + (budget.best_new(2) or [])
+    lines += _table("cr", cr)
+    lines += ["", "## Zeroth-order on an nf4 base (OFTv2 block 32, every linear layer)", ""] + _nf4()
+    lines += ["", "## lr sweeps (SST-2, seed 42)", ""] + _sweeps()
+    lines += ["", "## Queue", "", f"Launch: `{LAUNCH}`", "",
+              ("Then `python -m benchmarks.helene.smollm2.budget_cli memory` (peak RSS, a fresh process per mode) and "
+               "`report`. `budget_cli replay RUN_ID` runs a recorded zeroth-order result again from its closure values "
+               "and seed (no training forwards) and says whether every dev and test point comes out identical."), ""]
+    lines += _queue_listing()
+    write_page(page, "\n".join(lines) + "\n")
+    return True
+
