@@ -5,7 +5,7 @@ Examples::
 
     peftplug fit --config recipes/quickstart.yaml
     peftplug fit --config recipes/quickstart.yaml --print_config
-    peftplug export --ckpt_path runs/quickstart/.../last.ckpt --output adapter/ [--merge]
+    peftplug export --ckpt_path runs/quickstart/.../last.ckpt --output adapter/ [--merge]   # peftplug.export_cli
     peftplug steering ...            # delegated to steering.cli
 
 Errors caused by input (a wrong setting, path, data file, checkpoint) print as one line ``peftplug: error: ...``
@@ -17,7 +17,6 @@ a layer that rejects its adapter settings) are reported with the config field th
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import re
 import sys
@@ -33,11 +32,13 @@ from peftplug.methods import METHOD_PACKAGES, import_method_packages  # noqa: F4
 # registered) before parsing. Re-exported here, their historical home.
 
 DEFAULT_ROOT_DIR = "runs"
+# `--ckpt_path` values Lightning resolves itself (after fit, "best" is the ModelCheckpoint's best); "last" is ours.
+LIGHTNING_CKPT_NAMES = ("best", "hpc", "registry")
 
 # Subcommands besides LightningCLI's, as "module:function" taking the arguments after the subcommand and returning
 # the exit status. Imported only when used, so that a missing one says so in one line and `--help` stays fast.
 SUBCOMMANDS: dict[str, str] = {
-    "export": "peftplug.cli:export_main",
+    "export": "peftplug.export_cli:export_main",
     "steering": "steering.cli:main",
     "generate": "peftplug.generate_cli:generate_main",
     "chat": "peftplug.generate_cli:chat_main",
@@ -215,12 +216,27 @@ class ConfigFieldInstantiator:
         from lightning.fabric.utilities.exceptions import MisconfigurationException
 
         try:
-            return class_type(*args, **kwargs)
+            built = class_type(*args, **kwargs)
         except PeftplugError:
             raise
         except (ValueError, MisconfigurationException) as err:
             field = config_field(self.config(), str(err), class_type=class_type)
             raise ConfigError(f"{field or class_type.__name__}: {one_line(err)}") from err
+        self._check_learning_rate(built, class_type)
+        return built
+
+    def _check_learning_rate(self, built: Any, class_type: type) -> None:
+        """Refuses an optimizer whose learning rate is 0 (torch accepts it; the run would train nothing)."""
+        import torch
+
+        if not isinstance(built, torch.optim.Optimizer):
+            return
+        rates = [g.get("lr") for g in built.param_groups]
+        bad = next((lr for lr in rates if isinstance(lr, (int, float)) and lr <= 0), None)
+        if bad is not None:
+            field = config_field(self.config(), "lr=", class_type=class_type) or class_type.__name__
+            field = field if field.endswith(".lr") else f"{field}.init_args.lr"
+            raise ConfigError(f"{field} must be > 0; got {bad} (a zero learning rate trains nothing)")
 
 
 def _cli_classes():
@@ -231,7 +247,10 @@ def _cli_classes():
     from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
     from lightning.pytorch.utilities import rank_zero_warn
 
+    from peftplug.checkpoint_io import install_atomic_checkpoint_io
+    from peftplug.interrupt import GracefulInterrupt
     from peftplug.lightning import PeftModule
+    from peftplug.trainer_checks import check_trainer_settings
 
     class SafeSaveConfigCallback(SaveConfigCallback):
         """Saves the resolved config into the run's log directory, never over one of the input configs."""
@@ -274,12 +293,21 @@ def _cli_classes():
             import torch
 
             from peftplug.checkpoints import read_checkpoint, safe_globals
+            from peftplug.resume import find_last_checkpoint
 
             torch.serialization.add_safe_globals(safe_globals())
             subcommand = self.config.get("subcommand")
             ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-            if ckpt_path:
+            if ckpt_path == "last":
+                # Lightning's "last" looks only in the new logger version's (empty) folder: find the run's newest.
+                root = self.config[subcommand].trainer.get("default_root_dir") or DEFAULT_ROOT_DIR
+                ckpt_path = str(find_last_checkpoint(root))
+                self.config[subcommand].ckpt_path = ckpt_path
+                print(f"peftplug: resuming from {ckpt_path}", file=sys.stderr, flush=True)
+            if ckpt_path and ckpt_path not in LIGHTNING_CKPT_NAMES:
                 read_checkpoint(ckpt_path, mmap=True)
+                if self.config[subcommand].get("weights_only", False) is None:
+                    self.config[subcommand].weights_only = True  # what read_checkpoint just loaded it with
             super()._parse_ckpt_path()
 
         def parse_arguments(self, parser: Any, args: Any) -> None:
@@ -353,19 +381,33 @@ def _cli_classes():
             )
 
         def instantiate_trainer(self, **kwargs: Any) -> Any:
-            """Adds a Rich progress bar unless the config has a progress bar or disables it.
+            """Checks the device settings, adds a Rich progress bar (unless the config has one or disables it) and
+            :class:`peftplug.interrupt.GracefulInterrupt`, and makes checkpoint writes atomic.
 
             Args:
                 **kwargs: Passed to the Trainer.
             """
             config = self._get(self.config_init, "trainer", default={}) or {}
+            check_trainer_settings(*(config.get(k, d) for k, d in (
+                ("accelerator", "auto"), ("strategy", "auto"), ("devices", "auto"), ("max_steps", -1),
+                ("max_epochs", None))))
             callbacks = config.get("callbacks") or []
             callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
             if config.get("enable_progress_bar", True) is not False and not any(
                 isinstance(c, ProgressBar) for c in callbacks
             ):
                 callbacks.append(RichProgressBar())
-            return super().instantiate_trainer(callbacks=callbacks, **kwargs)
+            if not any(isinstance(c, GracefulInterrupt) for c in callbacks):
+                callbacks.append(GracefulInterrupt())
+            trainer = super().instantiate_trainer(callbacks=callbacks, **kwargs)
+            install_atomic_checkpoint_io(trainer)
+            return trainer
+
+        def interrupted_by(self) -> int | None:
+            """The signal that stopped ``fit`` at a batch boundary (a checkpoint was written), or ``None``."""
+            trainer = getattr(self, "trainer", None)
+            stops = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, GracefulInterrupt)]
+            return next((c.signal_received for c in stops if c.signal_received is not None), None)
 
         def _held_out(self) -> tuple[str, float] | None:
             """Tests on the held-out split; ``(metric name, value)`` on rank 0, else ``None``."""
@@ -390,8 +432,8 @@ def _cli_classes():
         def after_fit(self) -> None:
             """Tests on the held-out split and prints the metric when ``--evaluate_after_fit`` is set; with
             ``--evaluate_before_fit`` the line before it gives the value measured before training."""
-            if not self._get(self.config, "evaluate_after_fit", default=False):
-                return
+            if not self._get(self.config, "evaluate_after_fit", default=False) or self.interrupted_by() is not None:
+                return  # an interrupted run is evaluated when it has finished
             after = self._held_out()
             before = getattr(self, "_before", None)
             if before is not None:
@@ -421,34 +463,12 @@ def cli(args: Sequence[str] | None = None, run: bool = True, **kwargs: Any) -> A
     return _cli_classes()(args=list(args) if args is not None else None, run=run, **kwargs)
 
 
-def export_main(argv: Sequence[str]) -> int:
-    """``peftplug export``: writes the adapter (or the merged model) of a peftplug checkpoint.
-
-    Args:
-        argv: Arguments after ``export``.
-    """
-    parser = argparse.ArgumentParser(
-        prog="peftplug export",
-        description="Write a PEFT adapter directory (default) or a merged full model from a peftplug checkpoint.",
-    )
-    parser.add_argument("--ckpt_path", required=True, help="checkpoint written by `peftplug fit`")
-    parser.add_argument("--output", required=True, help="directory to write")
-    parser.add_argument("--merge", action="store_true", help="merge the adapter into the base (merge_and_unload)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output directory")
-    args = parser.parse_args(list(argv))
-    from peftplug.checkpoints import load_checkpoint_module
-
-    module = load_checkpoint_module(args.ckpt_path, map_location="cpu")
-    path = module.export(args.output, merge=args.merge, overwrite=args.overwrite)
-    print(f"wrote {'merged model' if args.merge else 'adapter'} to {path}")
-    return 0
-
-
 def lightning_main(argv: Sequence[str]) -> int:
     """LightningCLI's subcommands (``fit``, ``validate``, ``test``, ``predict``).
 
     Lightning's ``MisconfigurationException`` (e.g. a monitor that is never logged) is a settings error wherever
-    it is raised, so it is reported as a :class:`ConfigError`.
+    it is raised, so it is reported as a :class:`ConfigError`. A ``fit`` stopped by Ctrl-C or SIGTERM (at a batch
+    boundary, with a checkpoint: :mod:`peftplug.interrupt`) returns ``128 + signal number``.
 
     Args:
         argv: The arguments, starting with the subcommand.
@@ -456,10 +476,13 @@ def lightning_main(argv: Sequence[str]) -> int:
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     try:
-        cli(argv)
+        done = cli(argv)
     except MisconfigurationException as err:
         raise ConfigError(one_line(err)) from err
-    return 0
+    signum = done.interrupted_by() if argv and argv[0] == "fit" else None
+    # The shell's convention for a run ended by a signal (130 for Ctrl-C, 143 for SIGTERM): scripts see that
+    # it did not finish, although it stopped cleanly and can resume.
+    return 0 if signum is None else 128 + int(signum)
 
 
 def subcommand(name: str) -> Callable[[list[str]], int]:

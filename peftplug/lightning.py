@@ -33,6 +33,7 @@ from peftplug.loading import (
     peft_config_to_dict,
 )
 from peftplug.quantized_layout import keep_exact_4bit_layout
+from peftplug.resume import RNG_KEY, restore_rng, rng_state
 
 CHECKPOINT_KEY = "peftplug"
 CHECKPOINT_FORMAT = "adapter-only/1"
@@ -278,6 +279,12 @@ class PeftModule(L.LightningModule):
             bad = self.trainer.strategy.reduce(bad, reduce_op="sum")
         return bad.item() == 0
 
+    def on_train_start(self) -> None:
+        """Restores the RNG states of the checkpoint a fit resumes from (see :meth:`on_load_checkpoint`)."""
+        states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
+        if states is not None:
+            restore_rng(states)
+
     def on_train_epoch_start(self) -> None:
         """Puts the model in train mode (dropout on) for first-order training.
 
@@ -416,7 +423,8 @@ class PeftModule(L.LightningModule):
         return [f"model.{name}" for name, p in self.model.named_parameters() if p.requires_grad]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Keeps only the adapter tensors in the checkpoint (the base model is reloaded from its name).
+        """Keeps only the adapter tensors in the checkpoint (the base model is reloaded from its name) and adds the
+        global RNG states (:mod:`peftplug.resume`), which an exact resume needs.
 
         Args:
             checkpoint: The checkpoint dict Lightning is about to write.
@@ -424,6 +432,9 @@ class PeftModule(L.LightningModule):
         keys = set(self.adapter_state_keys())
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keys}
         checkpoint[CHECKPOINT_KEY] = {"format": CHECKPOINT_FORMAT, "keys": sorted(keys), "task": self.task}
+        # Lightning saves no RNG state; dropout draws from torch's global generator, so an exact resume needs it.
+        # Under DDP rank 0's is saved: every rank is seeded alike and draws alike.
+        checkpoint[RNG_KEY] = rng_state()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Checks that an adapter-only checkpoint fits this model; ``load_state_dict`` then restores it.
@@ -434,6 +445,8 @@ class PeftModule(L.LightningModule):
         Raises:
             ConfigError: If the checkpoint is not a peftplug adapter checkpoint of this model.
         """
+        # Applied when training starts (after sanity checks and setup), not now: nothing in between may draw.
+        self._rng_to_restore = checkpoint.get(RNG_KEY)
         meta = checkpoint.get(CHECKPOINT_KEY)
         if meta is None:
             return  # a full checkpoint (e.g. from another module) loads strictly as usual

@@ -13,6 +13,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from peftplug.data.resumable import EpochShuffleSampler, ResumableDataLoader
 from peftplug.errors import ConfigError, DataError
 
 
@@ -43,8 +44,8 @@ class TokenizedDataModule(L.LightningDataModule):
     A subclass reads and tokenizes its data in ``setup`` into :attr:`splits` (``{"train": [...], "validation":
     [...], "test": [...]}``, each a list of example dicts of int lists such as ``input_ids``, ``attention_mask``,
     ``labels``), calling :meth:`resolve_tokenizer` for the tokenizer; it may override :meth:`collate` (right
-    padding by default). The loaders are built here: training batches shuffled with a generator seeded by
-    ``seed``, evaluation batches in order.
+    padding by default). The loaders are built here: training batches in an order seeded by ``seed`` and the
+    epoch, from a loader that resumes mid-epoch (:mod:`peftplug.data.resumable`); evaluation batches in order.
 
     Args:
         tokenizer: Tokenizer name/path; ``None`` borrows the tokenizer of the trainer's ``PeftModule``.
@@ -64,6 +65,8 @@ class TokenizedDataModule(L.LightningDataModule):
         for name, value in (("max_length", max_length), ("batch_size", batch_size)):
             if value < 1:
                 raise ConfigError(f"data.{name} must be >= 1; got {value}")
+        if eval_batch_size is not None and eval_batch_size < 1:
+            raise ConfigError(f"data.eval_batch_size must be >= 1 (or null for batch_size); got {eval_batch_size}")
         if num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0; got {num_workers}")
         self.tokenizer_name = tokenizer
@@ -110,11 +113,22 @@ class TokenizedDataModule(L.LightningDataModule):
         """
         if split not in self.splits:
             raise DataError(f"no {split} data configured")
-        return DataLoader(
-            self.splits[split], batch_size=self.batch_size if shuffle else self.eval_batch_size, shuffle=shuffle,
+        if not shuffle:
+            return DataLoader(self.splits[split], batch_size=self.eval_batch_size, shuffle=False,
+                              num_workers=self.num_workers, collate_fn=collate or self.collate)
+        # Training order: seeded per epoch, and the position is saved in checkpoints (peftplug.data.resumable).
+        # The loader's own generator only seeds its workers, so that the global RNG (dropout) is never drawn from.
+        return ResumableDataLoader(
+            self.splits[split], batch_size=self.batch_size, sampler=EpochShuffleSampler(self.splits[split], self.seed),
             num_workers=self.num_workers, collate_fn=collate or self.collate,
-            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
+            generator=torch.Generator().manual_seed(self.seed), epoch_batches=self._epoch_batches,
         )
+
+    def _epoch_batches(self) -> int | None:
+        """Batches per training epoch as Lightning runs them (``limit_train_batches``), if a trainer is attached."""
+        trainer = getattr(self, "trainer", None)
+        batches = getattr(trainer, "num_training_batches", None)
+        return int(batches) if isinstance(batches, (int, float)) and batches != float("inf") else None
 
     # The name scripts written before the base class was public call.
     _loader = loader

@@ -1,0 +1,125 @@
+"""Ctrl-C and SIGTERM during training: finish the batch, write a checkpoint, stop cleanly.
+
+:class:`GracefulInterrupt` (``peftplug fit`` adds it to every run) takes over SIGINT and SIGTERM while the training
+loop runs. The first signal only sets a flag; the current batch finishes (a zeroth-order step perturbs the
+parameters in place, so a checkpoint taken inside a step would hold perturbed weights), and at the batch boundary
+— where Lightning's ``ModelCheckpoint`` saves too — a checkpoint ``last.ckpt`` is written into the run's checkpoint
+folder and the trainer stops. ``peftplug fit --config ... --ckpt_path last`` then resumes exactly: optimizer, LR
+scheduler, loops, the training loader's position (:mod:`peftplug.data.resumable`) and the RNG states
+(:mod:`peftplug.resume`). A second signal aborts at once (nothing more is written). What is lost: on Ctrl-C or
+SIGTERM nothing; on SIGKILL or a lost machine everything since the last periodic checkpoint.
+
+Under DDP the flag is all-reduced at each batch end (one scalar), so all ranks stop after the same batch and
+write the checkpoint together.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+LAST = "last.ckpt"
+
+
+def interrupt_checkpoint_path(trainer: Any) -> Path:
+    """Where the interrupt checkpoint goes: ``last.ckpt`` in the first ``ModelCheckpoint``'s folder, else in
+    ``<default_root_dir>/checkpoints``.
+
+    Args:
+        trainer: The trainer.
+    """
+    callback = trainer.checkpoint_callback
+    folder = getattr(callback, "dirpath", None)
+    return Path(folder or Path(trainer.default_root_dir) / "checkpoints") / LAST
+
+
+class GracefulInterrupt(Callback):
+    """Stops training at the next batch boundary after SIGINT/SIGTERM and writes a resumable checkpoint there.
+
+    After the fit, :attr:`signal_received` is the signal that stopped it (``None`` if none) and
+    :attr:`checkpoint_path` the checkpoint written.
+    """
+
+    def __init__(self) -> None:
+        self.signal_received: int | None = None
+        self.checkpoint_path: Path | None = None
+        self._previous: dict[int, Any] = {}
+
+    # ---------------------------------------------------------------- signal handlers
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal_received is not None:
+            # The second signal: the user wants out now. Lightning's KeyboardInterrupt path tears down.
+            self._restore_handlers()
+            raise KeyboardInterrupt
+        self.signal_received = signum
+        print(f"peftplug: {signal.Signals(signum).name} received: finishing the current batch, then writing a "
+              "checkpoint and stopping (send it again to abort at once)", file=sys.stderr, flush=True)
+
+    def _install_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for signum in SIGNALS:
+            self._previous[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._handle)
+
+    def _restore_handlers(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def request_stop(self, signum: int = signal.SIGINT) -> None:
+        """Acts as if ``signum`` had been received (for tests and for code that decides to stop a run).
+
+        Args:
+            signum: The signal to record.
+        """
+        self.signal_received = signum
+
+    # ---------------------------------------------------------------- Lightning hooks
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Takes over SIGINT and SIGTERM (after Lightning installed its own SIGTERM handler)."""
+        self.signal_received, self.checkpoint_path = None, None
+        self._install_handlers()
+
+    def _any_rank_signalled(self, trainer: Any) -> bool:
+        flag = torch.tensor(0.0 if self.signal_received is None else 1.0, device=trainer.strategy.root_device)
+        if trainer.world_size > 1:
+            flag = trainer.strategy.reduce(flag, reduce_op="sum")
+        return bool(flag.item() > 0)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """At the batch boundary after a signal: writes the checkpoint and asks the trainer to stop."""
+        if trainer.should_stop or not self._any_rank_signalled(trainer):
+            return
+        if self.signal_received is None:  # another rank got it
+            self.signal_received = signal.SIGTERM
+        path = interrupt_checkpoint_path(trainer)
+        trainer.save_checkpoint(path)
+        self.checkpoint_path = path
+        # ModelCheckpoint would otherwise save again when the stopped epoch "ends": a checkpoint marked as the end
+        # of an epoch that was cut short, from which Lightning would skip the epoch's remaining batches.
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                callback._last_global_step_saved = trainer.global_step
+        trainer.should_stop = True
+        if trainer.is_global_zero:
+            print(f"peftplug: stopped at step {trainer.global_step}; checkpoint written to {path} (resume with "
+                  "--ckpt_path last or this path)", file=sys.stderr, flush=True)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """Gives SIGINT and SIGTERM back."""
+        self._restore_handlers()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Gives SIGINT and SIGTERM back if training ended by an exception."""
+        self._restore_handlers()
+
+
+__all__ = ["GracefulInterrupt", "interrupt_checkpoint_path"]

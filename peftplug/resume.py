@@ -1,0 +1,85 @@
+"""What a resumed run needs beyond Lightning's own checkpoint content: the global RNG states, and where the run's
+last checkpoint is.
+
+Lightning's checkpoints hold the model, optimizer, LR scheduler, loop and callback states and (with
+:mod:`peftplug.data.resumable`) the training loader's position, but not the random number generators. Dropout
+draws from torch's global generator, so a resumed first-order run needs it back to equal the uninterrupted run;
+:func:`rng_state` / :func:`restore_rng` carry torch (CPU and CUDA), Python and NumPy states in a form that
+``torch.load(weights_only=True)`` reads (NumPy's key array as a tensor). Zeroth-order optimizers keep their own
+generators in their ``state_dict`` already.
+
+:func:`find_last_checkpoint` is what ``peftplug fit --ckpt_path last`` resolves to: the newest ``.ckpt`` under the
+recipe's ``default_root_dir``. Lightning's own ``"last"`` looks only in the checkpoint folder of the *current*
+logger version, which is a new, empty one in every run that has a logger.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from peftplug.errors import ConfigError
+
+RNG_KEY = "peftplug_rng"
+
+
+def rng_state() -> dict[str, Any]:
+    """The global RNG states of torch (CPU, and CUDA when available), Python and NumPy, loadable weights-only."""
+    import numpy as np
+    from lightning.fabric.utilities.seed import _collect_rng_states
+
+    states = _collect_rng_states(include_cuda=True)
+    kind, keys, pos, has_gauss, cached = states["numpy"]
+    import torch
+
+    states["numpy"] = [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss),
+                       float(cached)]
+    version, state, gauss = states["python"]
+    states["python"] = [version, list(state), gauss]
+    return states
+
+
+def restore_rng(states: dict[str, Any]) -> None:
+    """Sets the global RNG states saved by :func:`rng_state`.
+
+    Args:
+        states: From :func:`rng_state` (possibly through a checkpoint). A CUDA state is restored only where CUDA
+            is available with as many devices.
+    """
+    import numpy as np
+    import torch
+    from lightning.fabric.utilities.seed import _set_rng_states
+
+    states = dict(states)
+    kind, keys, pos, has_gauss, cached = states["numpy"]
+    states["numpy"] = (kind, np.asarray(keys.numpy() if hasattr(keys, "numpy") else keys, dtype=np.uint32),
+                       int(pos), int(has_gauss), float(cached))
+    cuda = states.pop("torch.cuda", None)
+    if cuda and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+        states["torch.cuda"] = cuda
+    _set_rng_states(states)
+
+
+def find_last_checkpoint(root: str | os.PathLike) -> Path:
+    """The most recently written ``.ckpt`` file under ``root`` (any depth).
+
+    Args:
+        root: The run's ``trainer.default_root_dir``.
+
+    Raises:
+        ConfigError: If there is none (the message says where it looked and how to get periodic checkpoints).
+    """
+    folder = Path(root).expanduser()
+    # Partial writes are never named *.ckpt (they are hidden temporary files until renamed), so any match is whole.
+    found = [p for p in folder.rglob("*.ckpt") if p.is_file()] if folder.is_dir() else []
+    if not found:
+        raise ConfigError(
+            f"ckpt_path: 'last' found no checkpoint under trainer.default_root_dir {str(folder)!r}; give the path "
+            "of a .ckpt file, or let runs write checkpoints (an interrupted `peftplug fit` does; periodic ones: "
+            "ModelCheckpoint every_n_train_steps, see docs/cli.md)"
+        )
+    return max(found, key=lambda p: (p.stat().st_mtime_ns, p.name == "last.ckpt"))
+
+
+__all__ = ["RNG_KEY", "find_last_checkpoint", "restore_rng", "rng_state"]

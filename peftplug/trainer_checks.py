@@ -1,0 +1,155 @@
+"""Checks of ``trainer.accelerator``, ``trainer.strategy`` and ``trainer.devices`` against the machine at hand.
+
+Lightning refuses an unavailable accelerator or strategy in several ways — a ``ModuleNotFoundError`` for
+``tpu`` without ``torch_xla``, ``TypeError`` for device lists on the CPU, messages that do not say which setting to
+change — and accepts 64 CPU processes on a 2-core machine. :func:`check_trainer_settings` says what is wrong in
+one :class:`peftplug.errors.ConfigError` that names the field and what this machine has, before Lightning builds
+anything (and refuses ``max_steps`` / ``max_epochs`` of 0, which train nothing). Settings given as objects (an ``Accelerator`` or ``Strategy`` instance) are left to Lightning.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from peftplug.errors import ConfigError
+
+# Why an accelerator Lightning knows is not usable here, by name.
+_NEEDS = {
+    "cuda": "no CUDA device is visible",
+    "gpu": "it needs CUDA or Apple MPS and neither is available",
+    "mps": "it needs Apple silicon (MPS)",
+    "tpu": "it needs a TPU and torch_xla",
+}
+FSDP2 = "lightning.pytorch.strategies.ModelParallelStrategy"
+
+
+def _accelerators() -> dict[str, bool]:
+    """Lightning's accelerator names and whether each is available here."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    found = {}
+    for name in sorted(AcceleratorRegistry.available_accelerators()):
+        try:
+            found[name] = bool(AcceleratorRegistry[name]["accelerator"].is_available())
+        except (ImportError, RuntimeError, OSError):  # a probe that fails (a broken optional package): unusable
+            found[name] = False
+    return found
+
+
+def _resolve_accelerator(accelerator: Any, available: dict[str, bool]) -> str | None:
+    """The accelerator Lightning would use (``cuda``, ``mps``, ``tpu``, ``cpu``), or ``None`` for an object."""
+    if not isinstance(accelerator, str):
+        return None
+    name = accelerator.lower()
+    usable = [n for n, ok in available.items() if ok]
+    if name == "auto":
+        return next((n for n in ("cuda", "mps", "tpu") if available.get(n)), "cpu")
+    if name == "gpu":
+        gpu = next((n for n in ("cuda", "mps") if available.get(n)), None)
+        if gpu is None:
+            raise ConfigError(f"trainer.accelerator: 'gpu' is not available on this machine ({_NEEDS['gpu']}); "
+                              f"available: {', '.join(usable)}")
+        return gpu
+    if name not in available:
+        raise ConfigError(f"trainer.accelerator: {accelerator!r} is not an accelerator; accepted: auto, gpu, "
+                          f"{', '.join(available)} (available on this machine: {', '.join(usable)})")
+    if not available[name]:
+        raise ConfigError(f"trainer.accelerator: {accelerator!r} is not available on this machine "
+                          f"({_NEEDS.get(name, 'Lightning reports it unavailable')}); available: {', '.join(usable)}")
+    return name
+
+
+def _check_strategy(strategy: Any, accelerator: str | None) -> None:
+    if not isinstance(strategy, str) or accelerator is None:
+        return
+    name = strategy.lower()
+    if name.startswith("fsdp") and accelerator != "cuda":
+        raise ConfigError(
+            f"trainer.strategy: {strategy!r} (Lightning's FSDP strategy) needs CUDA and the accelerator here is "
+            f"{accelerator}; to shard with FSDP2 use strategy: {{class_path: {FSDP2}}} (see docs/cli.md), or "
+            "'ddp' / 'auto'"
+        )
+    if name.startswith("deepspeed"):
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError(f"trainer.strategy: {strategy!r} needs the deepspeed package, which is not installed "
+                              "(pip install deepspeed; it also needs CUDA)")
+    if (name.startswith("xla") or name in ("single_xla", "single_tpu")) and accelerator != "tpu":
+        raise ConfigError(f"trainer.strategy: {strategy!r} needs a TPU (accelerator: tpu) and the accelerator here "
+                          f"is {accelerator}")
+
+
+def _device_count(accelerator: str) -> int:
+    import torch
+
+    if accelerator == "cuda":
+        return torch.cuda.device_count()
+    if accelerator == "cpu":
+        return os.cpu_count() or 1
+    return 1
+
+
+def _check_devices(devices: Any, accelerator: str | None) -> None:
+    if devices is None or accelerator is None:
+        return
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text == "auto":
+            return
+        try:
+            devices = int(text)
+        except ValueError:
+            if accelerator == "cpu":
+                raise ConfigError(f"trainer.devices: {devices!r} is not a number of processes; with the cpu "
+                                  "accelerator give a number >= 1, -1 (one per core) or 'auto'") from None
+            return  # "0,1" device indices: Lightning parses and checks them
+    if isinstance(devices, (list, tuple)):
+        if accelerator == "cpu":
+            raise ConfigError(f"trainer.devices: {list(devices)} are device indices, which the cpu accelerator "
+                              "does not have; give a number of processes (>= 1)")
+        count = _device_count(accelerator)
+        missing = [d for d in devices if not isinstance(d, int) or not 0 <= d < count]
+        if missing:
+            raise ConfigError(f"trainer.devices: {list(devices)} names devices this machine does not have (it has "
+                              f"{count} {accelerator} device(s): indices 0 to {count - 1})")
+        return
+    if not isinstance(devices, int) or isinstance(devices, bool):
+        return
+    if devices == 0 or devices < -1:
+        raise ConfigError(f"trainer.devices must be >= 1, -1 (all) or 'auto'; got {devices}")
+    count = _device_count(accelerator)
+    if devices > count:
+        unit = "CPU cores" if accelerator == "cpu" else f"{accelerator} device(s)"
+        raise ConfigError(f"trainer.devices: {devices} requested but this machine has {count} {unit}; "
+                          f"use devices <= {count}")
+
+
+def _check_length(max_steps: Any, max_epochs: Any) -> None:
+    # Lightning takes -1 for "no limit" and None for its default; 0 trains nothing, which is never what was meant.
+    if isinstance(max_steps, int) and (max_steps == 0 or max_steps < -1):
+        raise ConfigError(f"trainer.max_steps must be >= 1, or -1 for no step limit; got {max_steps}")
+    if isinstance(max_epochs, int) and (max_epochs == 0 or max_epochs < -1):
+        raise ConfigError(f"trainer.max_epochs must be >= 1, or -1 for no epoch limit; got {max_epochs}")
+
+
+def check_trainer_settings(accelerator: Any = "auto", strategy: Any = "auto", devices: Any = "auto",
+                           max_steps: Any = -1, max_epochs: Any = None) -> None:
+    """Raises ``ConfigError`` for an accelerator, strategy or device count this machine cannot run, or a run
+    length that trains nothing.
+
+    Args:
+        accelerator: ``trainer.accelerator`` (a name, or an ``Accelerator`` object, which is not checked).
+        strategy: ``trainer.strategy`` (a name, or a ``Strategy`` object, which is not checked).
+        devices: ``trainer.devices`` (a number, ``-1``, ``'auto'``, or device indices).
+        max_steps: ``trainer.max_steps`` (>= 1 or -1).
+        max_epochs: ``trainer.max_epochs`` (>= 1, -1 or ``None``).
+    """
+    _check_length(max_steps, max_epochs)
+    resolved = _resolve_accelerator(accelerator if accelerator is not None else "auto", _accelerators())
+    _check_strategy(strategy, resolved)
+    _check_devices(devices, resolved)
+
+
+__all__ = ["check_trainer_settings"]
