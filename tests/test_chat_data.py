@@ -64,7 +64,8 @@ def test_long_prompts_are_cut_not_the_answer_or_template(tokenizer):
 
 def test_no_room_for_the_answer_names_the_row(tmp_path, tokenizer):
     rows = [{"prompt": "short", "response": "ok"}, {"prompt": "short", "response": "x" * 100}] * 3
-    with pytest.raises(DataError, match=r"train row \d+: the chat template and the answer take \d+ tokens"):
+    with pytest.raises(DataError, match=r"data file '[^']*' row 2 \(train split\): the chat template and the "
+                                        r"answer take \d+ tokens"):
         _setup(tokenizer, train_file=_chat_file(tmp_path, rows), validation_file=_chat_file(tmp_path, rows, "v.jsonl"),
                max_length=90)
 
@@ -73,8 +74,25 @@ def test_no_room_for_the_answer_names_the_row(tmp_path, tokenizer):
                                  {"prompt": None, "response": "a"}])
 def test_a_row_without_a_response_or_prompt_is_named(tmp_path, tokenizer, bad):
     rows = [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}, bad]
-    with pytest.raises(DataError, match=r"validation row 2: the (prompt|response) is empty"):
-        _setup(tokenizer, train_file=_chat_file(tmp_path, rows[:2]), validation_file=_chat_file(tmp_path, rows, "v.jsonl"))
+    validation = _chat_file(tmp_path, rows, "v.jsonl")
+    with pytest.raises(DataError, match=rf"data file '{validation}' row 3 \(validation split\): the (prompt|response) "
+                                        "is empty"):
+        _setup(tokenizer, train_file=_chat_file(tmp_path, rows[:2]), validation_file=validation)
+
+
+@pytest.mark.parametrize("bad_row", [1, 4, 8])  # validation, train, validation (seed 0)
+def test_a_bad_row_split_off_the_train_file_names_the_file_and_its_row(tmp_path, tokenizer, bad_row):
+    """Without a validation file the rows are shuffled into train and validation; the error names the row's
+    place in the train file (from 1) and the split it went to."""
+    from peftplug.data.files import _split
+
+    rows = [{"prompt": f"q{i}", "response": "" if i == bad_row else f"a{i}"} for i in range(10)]
+    train_idx, _ = _split(10, 0.3, seed=0)
+    split = "train" if bad_row in train_idx else "validation"
+    train = _chat_file(tmp_path, rows)
+    with pytest.raises(DataError) as raised:
+        _setup(tokenizer, train_file=train, val_fraction=0.3)
+    assert str(raised.value) == f"data file {train!r} row {bad_row + 1} ({split} split): the response is empty"
 
 
 def test_eval_batches_carry_left_padded_prompts(tmp_path, tokenizer):

@@ -117,3 +117,21 @@ def test_bbcnews_fixed_split():
     assert len(set(seen)) == len(seen)
     with pytest.raises(ConfigError, match="exceeds"):
         BBCNewsData(n_train=2000, n_val=200, n_test=200).load_raw()
+
+
+def test_label_errors_name_the_file_and_row(tmp_path):
+    from peftplug.loading import load_tokenizer
+
+    train = _write(tmp_path / "train.csv", "csv")
+    validation = _write(tmp_path / "val.csv", "csv", ROWS[:3] + [{"text": "odd", "label": "weather"}])
+    data = TextClassificationData(train_file=str(train), validation_file=str(validation))
+    data.tokenizer = load_tokenizer("tiny:bert")
+    with pytest.raises(DataError) as raised:
+        data.setup()
+    assert str(raised.value) == (f"validation labels ['weather'] do not occur in the training data (first: data file "
+                                 f"{str(validation)!r} row 4 (validation split))")
+    negative = _write(tmp_path / "neg.jsonl", "jsonl", [{"text": f"t{i}", "label": 1 - i} for i in range(10)])
+    data = TextClassificationData(train_file=str(negative), validation_file=str(negative))
+    data.tokenizer = load_tokenizer("tiny:bert")
+    with pytest.raises(DataError, match=rf"data file '{negative}' row 3 \(train split\): label -1; labels must be"):
+        data.setup()

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from peftplug.data.base import TokenizedDataModule, pad_batch
 from peftplug.data.classification import BBCNewsData
-from peftplug.data.files import check_val_fraction, read_splits
+from peftplug.data.files import ROW_SOURCE, check_val_fraction, read_splits, row_name
 from peftplug.errors import ConfigError, DataError
 
 # Placeholders rendered through the chat template and then split on: the text between them is the template's.
@@ -138,9 +138,10 @@ class ChatData(TokenizedDataModule):
         self.save_hyperparameters()  # the checkpoint keeps the chat format, so `peftplug generate` can reuse it
 
     def load_pairs(self) -> dict[str, tuple[list, list]]:
-        """The raw ``{split: (prompts, responses)}``."""
+        """The raw ``{split: (prompts, responses)}``; where each row came from is kept for error messages."""
         columns = [self.prompt_column, self.response_column]
         raw = read_splits(self.files, columns, self.val_fraction, self.seed)
+        self._row_sources = {split: {ROW_SOURCE: cols[ROW_SOURCE]} for split, cols in raw.items()}
         return {split: (cols[columns[0]], cols[columns[1]]) for split, cols in raw.items()}
 
     def setup(self, stage: str | None = None) -> None:
@@ -155,16 +156,18 @@ class ChatData(TokenizedDataModule):
         if self.splits:
             return
         tokenizer = self.resolve_tokenizer()
+        self._row_sources = {}
         for split, (prompts, responses) in self.load_pairs().items():
             examples = []
+            sources = self._row_sources.get(split, {})
             for row, (prompt, response) in enumerate(zip(prompts, responses)):
                 if prompt is None or response is None or not str(response).strip():
                     side = "prompt" if prompt is None else "response"
-                    raise DataError(f"{split} row {row}: the {side} is empty")
+                    raise DataError(f"{row_name(split, sources, row)}: the {side} is empty")
                 try:
                     head, answer = encode_chat(tokenizer, prompt, response, self.system_prompt, self.max_length)
                 except DataError as err:
-                    raise DataError(f"{split} row {row}: {err}") from None
+                    raise DataError(f"{row_name(split, sources, row)}: {err}") from None
                 examples.append({"input_ids": head + answer, "attention_mask": [1] * (len(head) + len(answer)),
                                  "labels": [-100] * len(head) + answer, "prompt_ids": head,
                                  "answer_text": str(response).strip()})

@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 
 from peftplug.data.base import TokenizedDataModule
-from peftplug.data.files import check_val_fraction, read_splits
+from peftplug.data.files import ROW_SOURCE, check_val_fraction, read_splits, row_name
 from peftplug.errors import ConfigError, DataError
 
 
@@ -65,7 +65,8 @@ class TextClassificationData(TokenizedDataModule):
         columns.append(self.label_column)
         raw = {}
         for split, table in read_splits(self.files, columns, self.val_fraction, self.seed).items():
-            raw[split] = {"text": table[self.text_column], "label": table[self.label_column]}
+            raw[split] = {"text": table[self.text_column], "label": table[self.label_column],
+                          ROW_SOURCE: table[ROW_SOURCE]}
             if self.text_pair_column:
                 raw[split]["text_pair"] = table[self.text_pair_column]
         return raw
@@ -79,12 +80,16 @@ class TextClassificationData(TokenizedDataModule):
             for split, cols in raw.items():
                 unknown = sorted({str(v) for v in cols["label"]} - set(index))
                 if unknown:
-                    raise DataError(f"{split} labels {unknown[:5]} do not occur in the training data")
+                    first = next(i for i, v in enumerate(cols["label"]) if str(v) not in index)
+                    raise DataError(f"{split} labels {unknown[:5]} do not occur in the training data (first: "
+                                    f"{row_name(split, cols, first)})")
                 cols["label"] = [index[str(v)] for v in cols["label"]]
         else:
             for split, cols in raw.items():
-                if any(v is None or int(v) != v or v < 0 for v in cols["label"]):
-                    raise DataError(f"{split} labels must be non-negative integers or strings")
+                bad = next((i for i, v in enumerate(cols["label"]) if v is None or int(v) != v or v < 0), None)
+                if bad is not None:
+                    raise DataError(f"{row_name(split, cols, bad)}: label {cols['label'][bad]!r}; labels must be "
+                                    "non-negative integers or strings")
                 cols["label"] = [int(v) for v in cols["label"]]
 
     @property

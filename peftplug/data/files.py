@@ -151,6 +151,26 @@ def check_val_fraction(val_fraction: float) -> None:
         raise ConfigError(f"data.val_fraction must be in (0, 1); got {val_fraction}")
 
 
+# The entry of each split (besides its columns) that says where every row came from: (file, row number from 1).
+ROW_SOURCE = "__row_source__"
+
+
+def row_name(split: str, cols: dict[str, list], index: int) -> str:
+    """Names row ``index`` of a split for an error message: its file and row there, whichever split it went to.
+
+    Args:
+        split: The split the row is in (``train``, ``validation``, ``test``).
+        cols: The split's columns from :func:`read_splits` (with :data:`ROW_SOURCE`), or columns without it (rows
+            that do not come from a file: then the split and index are named).
+        index: The row's index in the split.
+    """
+    sources = cols.get(ROW_SOURCE)
+    if not sources:
+        return f"{split} row {index}"
+    path, row = sources[index]
+    return f"data file {str(path)!r} row {row} ({split} split)"
+
+
 def read_splits(files: dict[str, str | None], columns: Sequence[str], val_fraction: float,
                 seed: int) -> dict[str, dict[str, list]]:
     """Reads the configured split files; without a validation file, holds out ``val_fraction`` of train.
@@ -162,11 +182,17 @@ def read_splits(files: dict[str, str | None], columns: Sequence[str], val_fracti
         seed: Seed of that split.
 
     Returns:
-        ``{split: {column: values}}`` for every split present.
+        ``{split: {column: values}}`` for every split present; each split also has :data:`ROW_SOURCE`, the file
+        and row number (from 1, a CSV header not counted) of every row, so errors can name them
+        (:func:`row_name`) after the held-out split has mixed them.
     """
     if files["train"] is None:
         raise ConfigError("data.train_file is required")
-    raw = {split: read_table(path, columns) for split, path in files.items() if path is not None}
+    raw = {}
+    for split, path in files.items():
+        if path is not None:
+            raw[split] = read_table(path, columns)
+            raw[split][ROW_SOURCE] = [(path, i + 1) for i in range(len(raw[split][columns[0]]))]
     if "validation" not in raw:
         full = raw["train"]
         train_idx, val_idx = _split(len(full[columns[0]]), val_fraction, seed)
