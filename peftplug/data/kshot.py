@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 from peftplug.data.prompt_tasks import PromptTask, get_task
+from peftplug.datadir import DATA_DIR_ENV
 from peftplug.errors import DataError, MissingFileError
 
 
@@ -102,6 +103,13 @@ def sample_pool_splits(rows: list[dict[str, str]], labels: tuple[str, ...], k: i
     return out
 
 
+def _no_data(task: str, path: Path) -> str:
+    """The one line for a task whose data is not where the folder source looks: both ways to get it."""
+    return (f"task {task!r} has no data: {str(path)!r} does not exist; either put LM-BFF's k-shot files there "
+            f"(or point data.data_dir / ${DATA_DIR_ENV} at the folder that holds them), or set data.source: hub "
+            f"to sample the same splits from the Hugging Face hub")
+
+
 def kshot_files(data_dir: str | Path, task: str, k: int, split_seed: int) -> dict[str, Path]:
     """The train/dev/test files of an LM-BFF k-shot split.
 
@@ -119,15 +127,16 @@ def kshot_files(data_dir: str | Path, task: str, k: int, split_seed: int) -> dic
     if spec.suffix == ".jsonl":  # one pooled file; the splits are drawn from it per seed (sample_pool_splits)
         pool = Path(data_dir).expanduser() / spec.folder
         if not pool.is_file():
-            raise MissingFileError(f"task {task!r} has no data: {str(pool)!r} does not exist (data.data_dir?)")
+            raise MissingFileError(_no_data(task, pool))
         return {"train": pool, "validation": pool, "test": pool}
     root = Path(data_dir).expanduser() / "k-shot" / spec.folder
     if not root.is_dir():
-        raise MissingFileError(f"task {task!r} has no data: {str(root)!r} does not exist (data.data_dir?)")
+        raise MissingFileError(_no_data(task, root))
     split = root / f"{k}-{split_seed}"
     if not split.is_dir():
         have = sorted(p.name for p in root.iterdir() if p.is_dir())
-        raise MissingFileError(f"task {task!r} has no split {split.name!r}; available: {', '.join(have)}")
+        raise MissingFileError(f"task {task!r} has no split {split.name!r}; available: {', '.join(have)} "
+                               f"(data.source: hub samples any k and seed)")
     return {"train": split / f"train{spec.suffix}", "validation": split / f"{spec.dev_name}{spec.suffix}",
             "test": (split if spec.test_in_split else root) / f"{spec.test_name}{spec.suffix}"}
 
@@ -149,7 +158,17 @@ def split_rows(task: str, files: dict[str, Path], k: int, split_seed: int,
     out = {}
     for split, path in files.items():
         rows = pooled[split] if pooled is not None else _read_rows(path, spec)
-        if split == "test" and max_test is not None and len(rows) > max_test:
-            rows = random.Random(0).sample(rows, max_test)
-        out[split] = rows
+        out[split] = cap_test(rows, max_test) if split == "test" else rows
     return out
+
+
+def cap_test(rows: list[dict[str, str]], max_test: int | None) -> list[dict[str, str]]:
+    """At most ``max_test`` test rows: a fixed random subset (seed 0), the same for every split seed and source.
+
+    Args:
+        rows: The test rows.
+        max_test: The cap (``None``: keep all).
+    """
+    if max_test is None or len(rows) <= max_test:
+        return rows
+    return random.Random(0).sample(rows, max_test)

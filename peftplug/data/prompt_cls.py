@@ -9,6 +9,7 @@ import torch
 
 from peftplug.data.base import TokenizedDataModule, pad_batch
 from peftplug.data.kshot import kshot_files, split_rows
+from peftplug.data.lmbff import hub_source, hub_split_rows
 from peftplug.data.prompt_tasks import get_task
 from peftplug.data.prompt_templates import (
     ANSWER,
@@ -21,6 +22,9 @@ from peftplug.data.prompt_templates import (
 )
 from peftplug.datadir import default_data_dir
 from peftplug.errors import ConfigError
+
+#: Where the k-shot splits come from: LM-BFF's files in a local folder, or the hub copy sampled the same way.
+SOURCES = ("folder", "hub")
 
 
 class PromptClassificationData(TokenizedDataModule):
@@ -35,7 +39,10 @@ class PromptClassificationData(TokenizedDataModule):
             ``mnli``, ``qnli``, ``qqp``, ``mrpc``, ``cola``, ``boolq``; BoolQ draws its splits from SuperGLUE val per
             ``split_seed``).
         data_dir: Directory holding ``k-shot/``; ``None``: :func:`peftplug.datadir.default_data_dir` (the shared data,
-            ``$PEFTPLUG_DATA_DIR`` if set).
+            ``$PEFTPLUG_DATA_DIR`` if set). Read with ``source="folder"`` only.
+        source: ``folder``: LM-BFF's k-shot files under ``data_dir`` (offline); ``hub``: the task's Hugging Face hub
+            copy (:data:`peftplug.data.lmbff.HUB_SOURCES`, read through ``datasets`` and its cache), sampled at
+            ``setup`` with LM-BFF's procedure for any ``k`` and ``split_seed``.
         k: Shots per class.
         split_seed: Seed of the k-shot split (13, 21, 42, ...).
         format: ``plain`` (template as text) or ``chat`` (template as the user turn of the chat template).
@@ -56,6 +63,7 @@ class PromptClassificationData(TokenizedDataModule):
         self,
         task: str = "sst2",
         data_dir: str | None = None,
+        source: str = "folder",
         k: int = 16,
         split_seed: int = 42,
         format: str = "plain",
@@ -90,8 +98,15 @@ class PromptClassificationData(TokenizedDataModule):
         if len(self.words) != len(self.task.labels):
             raise ConfigError(f"data.label_words has {len(self.words)} words; task {self.task.name!r} has "
                               f"{len(self.task.labels)} classes")
-        data_dir = default_data_dir() if data_dir is None else data_dir
-        self.files = kshot_files(data_dir, self.task.name, k, split_seed)
+        if source not in SOURCES:
+            raise ConfigError(f"data.source must be one of {', '.join(SOURCES)}; got {source!r}")
+        if source == "hub":  # fail now for a task without a hub copy; the rows are read at setup
+            hub_source(self.task.name)
+            self.files = None
+        else:
+            data_dir = default_data_dir() if data_dir is None else data_dir
+            self.files = kshot_files(data_dir, self.task.name, k, split_seed)
+        self.source = source
         self.k, self.split_seed = k, split_seed
         self.format, self.multi_token, self.system_prompt, self.max_test = format, multi_token, system_prompt, max_test
         self.label_word_ids: list[int] = []
@@ -104,11 +119,15 @@ class PromptClassificationData(TokenizedDataModule):
         """
         if self.splits:
             return
+        # Rows first: a missing file or an unreachable hub is reported before any tokenizer is loaded.
+        rows_by_split = (hub_split_rows(self.task.name, self.k, self.split_seed, self.max_test)
+                         if self.source == "hub"
+                         else split_rows(self.task.name, self.files, self.k, self.split_seed, self.max_test))
         tokenizer = self.resolve_tokenizer()
         _, space = split_template(self.template)
         self.label_word_ids = label_word_ids(tokenizer, self.words, space and self.format == "plain",
                                              self.multi_token)
-        for split, rows in split_rows(self.task.name, self.files, self.k, self.split_seed, self.max_test).items():
+        for split, rows in rows_by_split.items():
             self.splits[split] = [
                 {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": self.task.labels.index(row["label"])}
                 for row in rows
