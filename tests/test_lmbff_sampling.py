@@ -263,3 +263,17 @@ def test_source_option_checks():
         PromptClassificationData("sst2", source="web")
     assert all(get_task(t).folder in HUB_SOURCES for t in ("sst2", "rte", "cola", "mnli", "boolq", "trec"))
     assert "mpqa" not in HUB_SOURCES  # no hub copy identified: folder only
+
+
+def test_folder_writer_command_refuses_in_one_line(tmp_path, monkeypatch, capsys):
+    import datasets
+
+    from peftplug.data.lmbff_cli import main
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "empty-cache"))
+    assert main(["RTE", "--data-dir", str(tmp_path)]) == 2
+    assert main(["mpqa", "--data-dir", str(tmp_path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and "nyu-mll/glue (rte) cannot be loaded" in lines[0]
+    assert "task 'mpqa' has no hub copy" in lines[1] and not (tmp_path / "k-shot").exists()

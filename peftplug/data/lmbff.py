@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from peftplug.data.kshot import cap_test, sample_pool_splits
-from peftplug.data.prompt_tasks import get_task
+from peftplug.data.prompt_tasks import PROMPT_TASKS, get_task
 from peftplug.errors import ConfigError, DataError, MissingFileError
 
 #: The seeds of LM-BFF's (and MeZO's) released splits.
@@ -383,9 +383,11 @@ def write_kshot_folder(folder: str, data_dir: str | Path, k: int = 16, seeds: Se
     import json
 
     if folder not in HUB_SOURCES:
-        folder = get_task(folder).folder
-        if folder not in HUB_SOURCES:
-            raise ConfigError(f"task {folder!r} has no hub copy; its k-shot files must come from LM-BFF's release")
+        named = next((t.folder for n, t in PROMPT_TASKS.items() if folder in (n, t.folder)), None)
+        if named not in HUB_SOURCES:
+            raise ConfigError(f"task {folder!r} has no hub copy (those with one: {', '.join(HUB_SOURCES)}); its "
+                              f"k-shot files come from LM-BFF's release only")
+        folder = named
     source, root = HUB_SOURCES[folder], Path(data_dir).expanduser()
     train = load(source, source.train, folder)
     if not source.tests:  # BoolQ: the pool itself, as the folder source keeps it
@@ -414,3 +416,4 @@ def write_kshot_folder(folder: str, data_dir: str | Path, k: int = 16, seeds: Se
                 else:  # LM-BFF's .csv: pandas' to_csv quoting, which csv's default dialect matches
                     csv.writer(handle, lineterminator="\n").writerows(rows)
     return task_dir
+
