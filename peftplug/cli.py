@@ -463,6 +463,39 @@ def cli(args: Sequence[str] | None = None, run: bool = True, **kwargs: Any) -> A
     return _cli_classes()(args=list(args) if args is not None else None, run=run, **kwargs)
 
 
+def check_config_files(argv: Sequence[str]) -> None:
+    """Refuses a ``--config`` file that is not a YAML mapping (a checkpoint, a binary file, a list), naming it.
+
+    jsonargparse reports a missing file itself; a binary one ends in a ``UnicodeDecodeError`` traceback there.
+
+    Args:
+        argv: The LightningCLI arguments.
+    """
+    import yaml
+
+    given = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
+    given += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for name in given:
+        path = Path(name).expanduser()
+        if path.is_dir():
+            raise ConfigError(f"--config {name!r} is a directory; expected a YAML recipe file")
+        if not path.is_file():
+            continue
+        try:
+            content = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"--config {name!r} is not a text file (byte {err.object[err.start]:#04x} at offset "
+                              f"{err.start}); expected a YAML recipe") from None
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ConfigError(f"--config {name!r} is not valid YAML{where} "
+                              f"({getattr(err, 'problem', None) or one_line(err, 160)})") from None
+        if content is not None and not isinstance(content, dict):
+            raise ConfigError(f"--config {name!r} holds a YAML {type(content).__name__}; expected a recipe mapping "
+                              "(trainer:, model:, data:)")
+
+
 def lightning_main(argv: Sequence[str]) -> int:
     """LightningCLI's subcommands (``fit``, ``validate``, ``test``, ``predict``).
 
@@ -475,6 +508,7 @@ def lightning_main(argv: Sequence[str]) -> int:
     """
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+    check_config_files(argv)
     try:
         done = cli(argv)
     except MisconfigurationException as err:

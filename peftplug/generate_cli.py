@@ -99,16 +99,26 @@ class Generator:
 
         from peftplug.data.base import pad_batch
 
-        if max_new_tokens < 1:
-            raise ConfigError(f"--max_new_tokens must be >= 1; got {max_new_tokens}")
-        if temperature < 0:
-            raise ConfigError(f"--temperature must be >= 0; got {temperature}")
+        check_sampling(max_new_tokens, temperature)
         batch = pad_batch([{"input_ids": p, "attention_mask": [1] * len(p)} for p in prompts],
                           self.tokenizer.pad_token_id, left=True)
         torch.manual_seed(seed)  # only sampling draws from it
         with torch.inference_mode():
             return self.module.generate_texts(batch["input_ids"], batch["attention_mask"], max_new_tokens,
                                               temperature=temperature)
+
+
+def check_sampling(max_new_tokens: int, temperature: float) -> None:
+    """Raises ``ConfigError`` unless ``max_new_tokens >= 1`` and ``temperature >= 0``.
+
+    Args:
+        max_new_tokens: ``--max_new_tokens``.
+        temperature: ``--temperature``.
+    """
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max_new_tokens must be >= 1; got {max_new_tokens}")
+    if temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0; got {temperature}")
 
 
 def generate_main(argv: Sequence[str]) -> int:
@@ -118,6 +128,7 @@ def generate_main(argv: Sequence[str]) -> int:
         argv: Arguments after ``generate``.
     """
     args = _parser("peftplug generate", chat=False).parse_args(list(argv))
+    check_sampling(args.max_new_tokens, args.temperature)
     generator = Generator(args.ckpt_path, args.model, args.system)
     prompts = [generator.encode([{"role": "user", "content": p}], raw=args.raw) for p in args.prompt]
     for text in generator.answer(prompts, args.max_new_tokens, args.temperature, args.seed):
@@ -160,6 +171,7 @@ def chat_main(argv: Sequence[str]) -> int:
         argv: Arguments after ``chat``.
     """
     args = _parser("peftplug chat", chat=True).parse_args(list(argv))
+    check_sampling(args.max_new_tokens, args.temperature)  # before the model loads, not at the first message
     generator = Generator(args.ckpt_path, args.model, args.system)
     print("peftplug chat: type a message; 'exit' or Ctrl-D ends.", flush=True)
     chat_loop(generator, args.max_new_tokens, args.temperature, sys.stdin, sys.stdout)

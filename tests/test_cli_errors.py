@@ -59,6 +59,12 @@ def files(tmp_path_factory):
 
     bad = root / "bad"
     bad.mkdir()
+    (bad / "list.yaml").write_text("- trainer\n- model\n")
+    (bad / "binary.yaml").write_bytes(b"PK\x03\x04\x00\xff\xfe")
+    (bad / "broken.yaml").write_text("trainer: [1,\n model: 2\n")
+    (root / "notes").mkdir()
+    (root / "notes" / "thesis.tex").write_text("months of work")
+    (root / "train.txt").write_text("plain text")
     (bad / "garbage.ckpt").write_text("garbage\n")
     data = ckpt.read_bytes()
     (bad / "truncated.ckpt").write_bytes(data[: len(data) // 2])
@@ -167,6 +173,83 @@ CASES = [
      "is a directory; expected a .ckpt file"),
     ("fit_resume_from_garbage", lambda f: ["fit", "--config", f["lora"], "--ckpt_path", f["bad"] / "garbage.ckpt"],
      "garbage.ckpt' is not a PyTorch checkpoint"),
+    # Issue 29: accelerators, strategies and devices this machine does not have (CPU-only here) ...
+    ("accelerator_tpu", lambda f: ["fit", "--config", f["lora"], "--trainer.accelerator", "tpu"],
+     "trainer.accelerator: 'tpu' is not available on this machine (it needs a TPU and torch_xla); available: cpu"),
+    ("accelerator_mps", lambda f: ["fit", "--config", f["lora"], "--trainer.accelerator", "mps"],
+     "trainer.accelerator: 'mps' is not available on this machine (it needs Apple silicon (MPS)); available: cpu"),
+    ("accelerator_cuda", lambda f: ["fit", "--config", f["lora"], "--trainer.accelerator", "cuda"],
+     "trainer.accelerator: 'cuda' is not available on this machine (no CUDA device is visible); available: cpu"),
+    ("accelerator_gpu", lambda f: ["fit", "--config", f["lora"], "--trainer.accelerator", "gpu"],
+     "trainer.accelerator: 'gpu' is not available on this machine (it needs CUDA or Apple MPS"),
+    ("accelerator_unknown", lambda f: ["fit", "--config", f["lora"], "--trainer.accelerator", "quantum"],
+     "trainer.accelerator: 'quantum' is not an accelerator; accepted: auto, gpu, cpu, cuda, mps, tpu"),
+    ("strategy_fsdp_on_cpu", lambda f: ["fit", "--config", f["lora"], "--trainer.strategy", "fsdp"],
+     ("trainer.strategy: 'fsdp' (Lightning's FSDP strategy) needs CUDA and the accelerator here is cpu; to shard "
+     "with FSDP2 use strategy: {class_path: lightning.pytorch.strategies.ModelParallelStrategy}")),
+    ("strategy_deepspeed_missing", lambda f: ["fit", "--config", f["lora"], "--trainer.strategy", "deepspeed"],
+     "trainer.strategy: 'deepspeed' needs the deepspeed package, which is not installed"),
+    ("strategy_unknown", lambda f: ["fit", "--config", f["lora"], "--trainer.strategy", "teleport"],
+     "trainer.strategy: You selected an invalid strategy name: `strategy='teleport'`"),
+    ("devices_more_than_cores", lambda f: ["fit", "--config", f["lora"], "--trainer.devices", "4096"],
+     "trainer.devices: 4096 requested but this machine has"),
+    ("devices_zero", lambda f: ["fit", "--config", f["lora"], "--trainer.devices", "0"],
+     "trainer.devices must be >= 1, -1 (all) or 'auto'; got 0"),
+    ("devices_indices_on_cpu", lambda f: ["fit", "--config", f["lora"], "--trainer.devices", "[0, 1]"],
+     "trainer.devices: [0, 1] are device indices, which the cpu accelerator does not have"),
+    # ... sizes that are zero or negative, and a learning rate that trains nothing ...
+    ("batch_size_zero", lambda f: ["fit", "--config", f["lora"], "--data.init_args.batch_size", "0"],
+     "data.batch_size must be >= 1; got 0"),
+    ("eval_batch_size_zero", lambda f: ["fit", "--config", f["lora"], "--data.init_args.eval_batch_size", "0"],
+     "data.eval_batch_size must be >= 1 (or null for batch_size); got 0"),
+    ("max_length_negative", lambda f: ["fit", "--config", f["lora"], "--data.init_args.max_length", "-3"],
+     "data.max_length must be >= 1; got -3"),
+    ("val_fraction_outside", lambda f: ["fit", "--config", f["lora"], "--data.init_args.val_fraction", "1.5"],
+     "data.val_fraction must be in (0, 1); got 1.5"),
+    ("max_steps_zero", lambda f: ["fit", "--config", f["lora"], "--trainer.max_steps", "0"],
+     "trainer.max_steps must be >= 1, or -1 for no step limit; got 0"),
+    ("max_steps_negative", lambda f: ["fit", "--config", f["lora"], "--trainer.max_steps", "-5"],
+     "trainer.max_steps must be >= 1, or -1 for no step limit; got -5"),
+    ("max_epochs_zero", lambda f: ["fit", "--config", f["lora"], "--trainer.max_epochs", "0"],
+     "trainer.max_epochs must be >= 1, or -1 for no epoch limit; got 0"),
+    ("lr_zero", lambda f: ["fit", "--config", f["lora"], "--model.optimizer.init_args.lr", "0"],
+     "model.optimizer.init_args.lr must be > 0; got 0.0 (a zero learning rate trains nothing)"),
+    # ... missing or foreign files ...
+    ("config_is_a_list", lambda f: ["fit", "--config", f["bad"] / "list.yaml"],
+     "list.yaml' holds a YAML list; expected a recipe mapping (trainer:, model:, data:)"),
+    ("config_is_binary", lambda f: ["fit", "--config", f["bad"] / "binary.yaml"],
+     "binary.yaml' is not a text file (byte 0xff at offset 5); expected a YAML recipe"),
+    ("config_is_broken_yaml", lambda f: ["fit", "--config", f["bad"] / "broken.yaml"],
+     "broken.yaml' is not valid YAML at line 3, column 1"),
+    ("config_is_a_folder", lambda f: ["fit", "--config", f["bad"]], "is a directory; expected a YAML recipe file"),
+    ("train_file_foreign_extension", lambda f: ["fit", "--config", f["lora"], "--data.init_args.train_file",
+                                                f["root"] / "train.txt"],
+     "data file 'train.txt': the extension must be one of .json, .jsonl, .csv, .tsv, .parquet"),
+    ("fit_resume_missing", lambda f: ["fit", "--config", f["lora"], "--ckpt_path", f["root"] / "none.ckpt"],
+     "none.ckpt' does not exist"),
+    ("fit_resume_last_without_checkpoints", lambda f: ["fit", "--config", f["lora"], "--ckpt_path", "last",
+                                                       "--trainer.default_root_dir", f["root"] / "fresh"],
+     "ckpt_path: 'last' found no checkpoint under trainer.default_root_dir"),
+    # ... an export onto a folder that holds files (refused before anything is loaded or touched) ...
+    ("export_onto_a_file", lambda f: ["export", "--ckpt_path", f["ckpt"], "--output", f["root"] / "train.jsonl"],
+     "train.jsonl' is a file; give a folder to write (nothing was touched)"),
+    ("export_onto_a_full_folder", lambda f: ["export", "--ckpt_path", f["ckpt"], "--output", f["root"] / "notes"],
+     "notes' exists and is not empty; use --overwrite to replace an earlier export"),
+    ("export_overwrite_foreign_folder", lambda f: ["export", "--ckpt_path", f["ckpt"], "--output",
+                                                   f["root"] / "notes", "--overwrite"],
+     ("notes' holds files but is not an adapter or model folder (no adapter_config.json or config.json); "
+     "--overwrite replaces only earlier exports (nothing was touched)")),
+    # ... and generate / chat with bad arguments.
+    ("generate_max_new_tokens_zero", lambda f: ["generate", "--ckpt_path", f["ckpt"], "--prompt", "hi",
+                                                "--max_new_tokens", "0"], "--max_new_tokens must be >= 1; got 0"),
+    ("generate_negative_temperature", lambda f: ["generate", "--model", "tiny:llama", "--prompt", "hi",
+                                                 "--temperature", "-1"], "--temperature must be >= 0; got -1.0"),
+    ("generate_missing_checkpoint", lambda f: ["generate", "--ckpt_path", f["root"] / "none.ckpt", "--prompt", "hi"],
+     "none.ckpt' does not exist"),
+    ("generate_unknown_model", lambda f: ["generate", "--model", "/no/such/model", "--prompt", "hi"],
+     "model '/no/such/model' not found"),
+    ("chat_max_new_tokens_negative", lambda f: ["chat", "--model", "tiny:llama", "--max_new_tokens", "-1"],
+     "--max_new_tokens must be >= 1; got -1"),
 ]
 
 
@@ -174,6 +257,26 @@ CASES = [
 def test_bad_input_is_one_line_naming_the_culprit(files, capsys, make_args, expected):
     line = _error_line(capsys, main([str(a) for a in make_args(files)]))
     assert expected in line, line
+
+
+def test_refused_export_touches_nothing(files, capsys):
+    before = {p: p.read_bytes() for p in (files["root"] / "notes").rglob("*")}
+    for extra in ([], ["--overwrite"]):
+        _error_line(capsys, main(["export", "--ckpt_path", str(files["ckpt"]), "--output",
+                                  str(files["root"] / "notes"), *extra]))
+    assert {p: p.read_bytes() for p in (files["root"] / "notes").rglob("*")} == before
+    assert not [p for p in files["root"].iterdir() if p.name.startswith(".notes")]  # no staging folder left
+
+
+def test_argparse_usage_errors_of_generate_exit_2(files, capsys):
+    """Missing/conflicting sources are argparse usage errors: status 2 and argparse's own one line."""
+    for args in (["generate", "--prompt", "hi"],
+                 ["generate", "--model", "tiny:llama", "--ckpt_path", str(files["ckpt"]), "--prompt", "hi"]):
+        with pytest.raises(SystemExit) as done:
+            main(args)
+        assert done.value.code == 2
+        err = capsys.readouterr().err
+        assert "peftplug generate: error: " in err and "Traceback" not in err
 
 
 def test_debug_shows_the_traceback(files, capsys, monkeypatch):

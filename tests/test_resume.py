@@ -167,6 +167,34 @@ def test_sigterm_to_a_peftplug_fit_process_then_resume(tmp_path):
         assert torch.equal(want, _adapter(resumed)[name]), name
 
 
+class CrashAtStep(lightning.Callback):
+    """A machine that dies during step ``step``: no checkpoint is written then (as under SIGKILL)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError("the machine is gone")
+
+
+def test_a_lost_machine_resumes_from_the_last_periodic_checkpoint(tmp_path):
+    """The documented recipe line (ModelCheckpoint every_n_train_steps + save_last) bounds what a kill loses; the
+    run resumed from it ends where the uninterrupted run does."""
+    periodic = ('--trainer.callbacks=[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", '
+                '"init_args": {"every_n_train_steps": 3, "save_last": true}}]')
+    full = cli(["fit", "--config", str(_recipe(tmp_path / "full", "adamw"))])
+    recipe = _recipe(tmp_path / "cut", "adamw")
+    with pytest.raises(RuntimeError, match="the machine is gone"):
+        cli(["fit", "--config", str(recipe), periodic], trainer_defaults={"callbacks": [CrashAtStep(8)]})
+    last = tmp_path / "cut" / "runs" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 6  # steps 7 and 8 are lost
+    resumed = cli(["fit", "--config", str(recipe), periodic, "--ckpt_path", "last"])
+    assert resumed.trainer.global_step == MAX_STEPS
+    for name, want in _adapter(full).items():
+        assert torch.equal(want, _adapter(resumed)[name]), name
+
+
 # ---------------------------------------------------------------- the training loader
 def test_epoch_order_is_the_former_loaders_and_a_function_of_seed_and_epoch():
     data = list(range(11))
