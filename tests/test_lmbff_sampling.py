@@ -277,3 +277,19 @@ def test_folder_writer_command_refuses_in_one_line(tmp_path, monkeypatch, capsys
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and "nyu-mll/glue (rte) cannot be loaded" in lines[0]
     assert "task 'mpqa' has no hub copy" in lines[1] and not (tmp_path / "k-shot").exists()
+
+
+def test_snli_rows_without_gold_label_are_left_out_before_sampling():
+    rng = np.random.default_rng(5)
+    labels = rng.integers(-1, 3, 300).tolist()
+    snli = Dataset.from_dict({"premise": [f"p{i}" for i in range(300)], "hypothesis": [f"h{i}" for i in range(300)],
+                              "label": labels})
+    gold = snli.filter(lambda row: row["label"] != -1)
+    source = HUB_SOURCES["SNLI"]
+    got = sample_hub_split(snli, {"test": snli}, source, 8, 21)
+    # Reference: the same draw on the rows GLUE's SNLI file has, indexed from scratch.
+    train_idx, dev_idx = sample_kshot(gold["label"], 8, (21,))
+    names = ("entailment", "neutral", "contradiction")
+    assert [r["sentence1"] for r in got["train"]] == [gold[i]["premise"] for i in train_idx]
+    assert [r["label"] for r in got["dev"]] == [names[gold[i]["label"]] for i in dev_idx]
+    assert len(got["test"]) == len(gold) and "-1" not in {r["label"] for r in got["test"]}
