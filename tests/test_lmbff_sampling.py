@@ -238,16 +238,24 @@ def test_hub_rows_that_do_not_fit_are_one_line_errors():
 # --- the data module's source option and its error lines ---------------------------------------------------------
 
 
+def _offline_and_uncached(monkeypatch, tmp_path):
+    """The hub unreachable (what HF_DATASETS_OFFLINE=1 sets) and empty caches, whatever this machine has cached."""
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+
+
+
 def test_missing_folder_and_unreachable_hub_each_name_both_options(tmp_path, monkeypatch):
     with pytest.raises(MissingFileError) as err:
         PromptClassificationData("sst2", data_dir=str(tmp_path))
     line = str(err.value)
     assert "\n" not in line and str(tmp_path / "k-shot" / "SST-2") in line
     assert "data.data_dir" in line and "$PEFTPLUG_DATA_DIR" in line and "data.source: hub" in line
-    import datasets
-
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # what HF_DATASETS_OFFLINE=1 sets
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "empty-cache"))
+    _offline_and_uncached(monkeypatch, tmp_path)
     with pytest.raises(MissingFileError) as err:
         load_hub(HUB_SOURCES["SST-2"], "train", "sst2")
     line = str(err.value)
@@ -266,12 +274,9 @@ def test_source_option_checks():
 
 
 def test_folder_writer_command_refuses_in_one_line(tmp_path, monkeypatch, capsys):
-    import datasets
-
     from peftplug.data.lmbff_cli import main
 
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "empty-cache"))
+    _offline_and_uncached(monkeypatch, tmp_path)
     assert main(["RTE", "--data-dir", str(tmp_path)]) == 2
     assert main(["mpqa", "--data-dir", str(tmp_path)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
