@@ -1,60 +1,62 @@
-"""Chat finetuning data for causal LMs: prompt/response pairs rendered with the tokenizer's chat template.
+"""Chat finetuning data for causal LMs: conversations or prompt/response pairs rendered with the tokenizer's chat
+template.
 
-Each example is ``[system] + user prompt + assistant response`` rendered by the tokenizer's own chat template.
-Loss is on the assistant's tokens only (the response and the end-of-turn token); everything before it is
-masked with -100. When an example is longer than ``max_length`` the **user prompt** is cut (its end is dropped,
-token-exactly), never the template or the answer; if even an empty prompt leaves no room for the answer, the row
-is refused with an error that names it.
+Two row formats, told apart by the training file's columns (no setting): a ``messages`` column of
+``{role, content}`` turns, single- or multi-turn (or ShareGPT's ``conversations``; see
+:mod:`peftplug.data.conversations` for what is accepted and refused), else ``prompt``/``response`` columns (a
+one-exchange conversation). A recipe's ``system_prompt`` is the system turn of every conversation that has none of
+its own: a file's system turn wins.
 
-Validation and test batches also carry the left-padded prompts (``gen_input_ids``, ``gen_attention_mask``) and
-the reference answers (``gen_answers``), so that :class:`peftplug.lightning.PeftModule` can generate greedily and
-log answer accuracy (:mod:`peftplug.answers`) next to the loss.
+Loss is on the assistant's tokens only (every assistant turn with loss, each with its end-of-turn token); everything
+else is masked with -100. When an example is longer than ``max_length`` whole earlier exchanges are dropped, oldest
+first (the system turn kept), then the last **user turn** is cut (its end is dropped, token-exactly), never the
+template or an answer; if even one token of it leaves no room for the answer, the row is refused with an error
+that names its file and row.
+
+Validation and test batches also carry the left-padded prompts (``gen_input_ids``, ``gen_attention_mask``: the
+conversation up to its last answer, ending with the assistant header) and the reference answers (``gen_answers``:
+the last assistant turn), so that :class:`peftplug.lightning.PeftModule` can generate greedily and log answer
+accuracy (:mod:`peftplug.answers`) next to the loss.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from peftplug.data.base import TokenizedDataModule, pad_batch
+from peftplug.data.chat_files import PAIRS, chat_format, read_chat_splits
 from peftplug.data.classification import BBCNewsData
-from peftplug.data.files import ROW_SOURCE, check_val_fraction, read_splits, row_name
+from peftplug.data.conversations import (
+    Turn,
+    encode_conversation,
+    parse_conversation,
+    template_pieces,
+    with_system,
+)
+from peftplug.data.files import ROW_SOURCE, check_val_fraction, row_name
 from peftplug.errors import ConfigError, DataError
 
-# Placeholders rendered through the chat template and then split on: the text between them is the template's.
+# Placeholders of the former single-exchange splitter, kept for scripts that imported them.
 _USER, _ASSISTANT = "\x00PEFTPLUG_USER\x00", "\x00PEFTPLUG_ASSISTANT\x00"
 
 GENERATION_KEYS = ("gen_input_ids", "gen_attention_mask", "gen_answers")
 
 
-@functools.lru_cache(maxsize=32)
 def _template_pieces(tokenizer: Any, system_prompt: str | None) -> tuple[list[int], list[int], list[int]]:
     """Token ids of the template around the user text and after the assistant text: (head, middle, tail).
 
     ``head + user + middle`` is the generation prompt (it ends with the assistant header) and
     ``response + tail`` the assistant turn (``tail`` starts with the end-of-turn token).
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(
-            "data: the tokenizer has no chat template; use CausalLMData for plain prompt/response text"
-        )
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else []) + [
-        {"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
-    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-    head, _, rest = full.partition(_USER)
-    middle, _, tail = rest.partition(_ASSISTANT)
-    if not prompt.startswith(head) or prompt[len(head):] != _USER + middle:
-        # Templates that render the prompt differently with and without the answer cannot be split exactly.
-        raise ConfigError("data: the chat template renders the prompt differently with and without the answer")
-
-    def ids(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    return ids(head), ids(middle), ids(tail)
+    roles = ("user", "assistant") if system_prompt is None else ("system", "user", "assistant")
+    pieces = template_pieces(tokenizer, roles)
+    head = pieces[0] if system_prompt is None else (
+        pieces[0] + tokenizer(system_prompt, add_special_tokens=False)["input_ids"] + pieces[1])
+    return head, pieces[-2], pieces[-1]
 
 
 def encode_chat(tokenizer: Any, prompt: str, response: str | None, system_prompt: str | None,
@@ -75,38 +77,43 @@ def encode_chat(tokenizer: Any, prompt: str, response: str | None, system_prompt
     Raises:
         DataError: If the template and the answer alone exceed ``max_length``.
     """
-    head, middle, tail = _template_pieces(tokenizer, system_prompt)
-    answer: list[int] = []
-    if response is not None:
-        answer = tokenizer(str(response), add_special_tokens=False)["input_ids"] + tail
-        eos = tokenizer.eos_token_id
-        if eos in tail:
-            # Keep the turn up to its end token: what follows (a newline) is never generated.
-            answer = answer[: len(answer) - len(tail) + tail.index(eos) + 1]
-    user = tokenizer(str(prompt), add_special_tokens=False)["input_ids"]
-    room = max_length - len(head) - len(middle) - len(answer)
-    if room < 1:
-        raise DataError(
-            f"the chat template and the answer take {max_length - room} tokens, leaving no room for the prompt "
-            f"within max_length={max_length}"
-        )
-    return head + user[:room] + middle, answer
+    turns = with_system([Turn("user", str(prompt)), Turn("assistant", "" if response is None else str(response),
+                                                         trained=True)], system_prompt)
+    encoded = encode_conversation(tokenizer, turns, max_length, generation_only=response is None)
+    return encoded.input_ids[: encoded.prompt_length], encoded.input_ids[encoded.prompt_length:]
+
+
+def _pair_turns(prompt: Any, response: Any) -> list[Turn]:
+    """A prompt/response row as a one-exchange conversation."""
+    for side, value in (("prompt", prompt), ("response", response)):
+        if isinstance(value, (list, dict)):
+            raise DataError(f"the {side} is a {type(value).__name__}, expected text (for conversational turns use a "
+                            "`messages` column)")
+    if prompt is None or response is None or not str(response).strip():
+        raise DataError(f"the {'prompt' if prompt is None else 'response'} is empty")
+    return [Turn("user", str(prompt)), Turn("assistant", str(response), trained=True)]
 
 
 class ChatData(TokenizedDataModule):
-    """Prompt/response pairs from local files, rendered through the tokenizer's chat template.
+    """Conversations (a ``messages`` column) or prompt/response pairs from local files, rendered through the
+    tokenizer's chat template.
 
     Args:
-        train_file: Training file (JSON, JSONL, CSV, TSV or Parquet).
-        validation_file: Validation file; if ``None``, ``val_fraction`` of the training file is held out.
-        test_file: Optional held-out test file.
-        prompt_column: Column of user messages.
-        response_column: Column of assistant answers (every row needs one).
-        system_prompt: System message for every example; ``None`` keeps the template's default (SmolLM2's
-            adds a ~30-token one, so a short system message shortens every example).
-        val_fraction: Fraction of the training file used for validation when there is no validation file.
+        train_file: Training data: a JSON, JSONL, CSV, TSV or Parquet file, or a folder written by
+            ``datasets.Dataset.save_to_disk``. A ``messages`` column (else ShareGPT ``conversations``) makes every
+            file a conversation file; otherwise the prompt and response columns are read.
+        validation_file: Validation data, same format; if ``None``, ``val_fraction`` of the training data is held
+            out.
+        test_file: Optional held-out test data, same format.
+        prompt_column: Column of user messages (prompt/response files).
+        response_column: Column of assistant answers (prompt/response files; every row needs one).
+        system_prompt: System message of every conversation without its own system turn (a file's system turn
+            wins); ``None`` keeps the template's default (SmolLM2's adds a ~30-token one, so a short system message
+            shortens every example).
+        val_fraction: Fraction of the training data used for validation when there is no validation file.
         tokenizer: Tokenizer name/path; defaults to the model's.
-        max_length: Maximum tokens per example; longer user prompts are cut at the end.
+        max_length: Maximum tokens per example; longer conversations lose earlier exchanges, then the end of the
+            last user turn.
         batch_size: Training batch size.
         eval_batch_size: Evaluation batch size (default: ``batch_size``).
         num_workers: DataLoader workers.
@@ -135,14 +142,44 @@ class ChatData(TokenizedDataModule):
         self.prompt_column, self.response_column = prompt_column, response_column
         self.system_prompt = system_prompt
         self.val_fraction = val_fraction
+        self.dropped_turns: dict[str, int] = {}
         self.save_hyperparameters()  # the checkpoint keeps the chat format, so `peftplug generate` can reuse it
+
+    @property
+    def row_format(self) -> str:
+        """``messages``, ``conversations`` (ShareGPT) or ``pairs`` (prompt/response), told by the training
+        file's columns."""
+        if not hasattr(self, "_row_format"):
+            self._row_format = chat_format(self.files["train"])
+        return self._row_format
 
     def load_pairs(self) -> dict[str, tuple[list, list]]:
         """The raw ``{split: (prompts, responses)}``; where each row came from is kept for error messages."""
         columns = [self.prompt_column, self.response_column]
-        raw = read_splits(self.files, columns, self.val_fraction, self.seed)
+        raw = read_chat_splits(self.files, columns, self.val_fraction, self.seed)
         self._row_sources = {split: {ROW_SOURCE: cols[ROW_SOURCE]} for split, cols in raw.items()}
         return {split: (cols[columns[0]], cols[columns[1]]) for split, cols in raw.items()}
+
+    def load_rows(self) -> dict[str, list]:
+        """The raw rows of every split: conversation values (``messages`` / ``conversations`` files) or
+        ``(prompt, response)`` tuples; where each row came from is kept for error messages."""
+        if self.row_format == PAIRS:
+            return {split: list(zip(*pair)) for split, pair in self.load_pairs().items()}
+        raw = read_chat_splits(self.files, [self.row_format], self.val_fraction, self.seed)
+        self._row_sources = {split: {ROW_SOURCE: cols[ROW_SOURCE]} for split, cols in raw.items()}
+        return {split: cols[self.row_format] for split, cols in raw.items()}
+
+    def row_turns(self, row: Any) -> list[Turn]:
+        """One raw row as checked turns, the recipe's system prompt added where the row has no system turn.
+
+        Args:
+            row: From :meth:`load_rows`.
+
+        Raises:
+            DataError: For a malformed row (the message does not name the row; :meth:`setup` adds it).
+        """
+        turns = _pair_turns(*row) if self.row_format == PAIRS else parse_conversation(row, self.row_format)
+        return with_system(turns, self.system_prompt)
 
     def setup(self, stage: str | None = None) -> None:
         """Reads and tokenizes all configured splits (once).
@@ -151,29 +188,30 @@ class ChatData(TokenizedDataModule):
             stage: Lightning stage (unused: every split is prepared).
 
         Raises:
-            DataError: For a row without a prompt or response, or one that cannot fit ``max_length``.
+            DataError: For a malformed row, or one that cannot fit ``max_length`` (naming its file and row).
         """
         if self.splits:
             return
         tokenizer = self.resolve_tokenizer()
         self._row_sources = {}
-        for split, (prompts, responses) in self.load_pairs().items():
-            examples = []
+        for split, rows in self.load_rows().items():
+            examples, dropped = [], 0
             sources = self._row_sources.get(split, {})
-            for row, (prompt, response) in enumerate(zip(prompts, responses)):
-                if prompt is None or response is None or not str(response).strip():
-                    side = "prompt" if prompt is None else "response"
-                    raise DataError(f"{row_name(split, sources, row)}: the {side} is empty")
+            for index, row in enumerate(rows):
                 try:
-                    head, answer = encode_chat(tokenizer, prompt, response, self.system_prompt, self.max_length)
+                    encoded = encode_conversation(tokenizer, self.row_turns(row), self.max_length)
                 except DataError as err:
-                    raise DataError(f"{row_name(split, sources, row)}: {err}") from None
-                examples.append({"input_ids": head + answer, "attention_mask": [1] * (len(head) + len(answer)),
-                                 "labels": [-100] * len(head) + answer, "prompt_ids": head,
-                                 "answer_text": str(response).strip()})
+                    raise DataError(f"{row_name(split, sources, index)}: {err}") from None
+                dropped += encoded.dropped_turns > 0
+                examples.append({"input_ids": encoded.input_ids, "attention_mask": [1] * len(encoded.input_ids),
+                                 "labels": encoded.labels, "prompt_ids": encoded.input_ids[: encoded.prompt_length],
+                                 "answer_text": encoded.answer_text})
             if not examples:
                 raise DataError(f"the {split} split is empty")
-            self.splits[split] = examples
+            self.splits[split], self.dropped_turns[split] = examples, dropped
+            if dropped:
+                rank_zero_info(f"peftplug: {dropped} of {len(examples)} {split} conversations were longer than "
+                               f"data.max_length={self.max_length}: their oldest exchanges were dropped")
 
     @property
     def answers(self) -> dict[str, list[str]]:
