@@ -1,7 +1,13 @@
 """``peftplug export``: the adapter (or the merged model) of a ``peftplug fit`` checkpoint, written as a folder.
 
-The target is checked before anything is loaded or written: a file, a non-empty folder without ``--overwrite``,
-and (with ``--overwrite``) a non-empty folder that is not an earlier export are refused in one line, untouched.
+``--as-lora --rank R`` writes an OFTv2 (or QOFT) adapter as a standard PEFT LoRA adapter instead
+(:func:`oftv2.export_lora`), for servers that load LoRA only (vLLM, SGLang, TGI): ``R`` a positive integer (clipped
+per layer to its full rank) or ``full`` (reproduces the adapter to rounding). A QOFT checkpoint's update is taken
+from its dequantized 4-bit (or 8-bit) base weights, so the LoRA reproduces the adapter on that same quantized base.
+
+The target and the arguments are checked before anything is loaded or written: a file, a non-empty folder without
+``--overwrite``, (with ``--overwrite``) a non-empty folder that is not an earlier export, and a bad ``--rank`` are
+refused in one line, untouched.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from peftplug.errors import ConfigError
 
@@ -41,6 +48,69 @@ def check_export_target(output: str, overwrite: bool) -> None:
                           "(nothing was touched)")
 
 
+def parse_rank(rank: str | None, as_lora: bool, merge: bool) -> int | str | None:
+    """The ``--rank`` of ``--as-lora``: a positive integer or ``"full"``; ``None`` without ``--as-lora``.
+
+    Args:
+        rank: The ``--rank`` text, or ``None`` when not given.
+        as_lora: Whether ``--as-lora`` was given.
+        merge: Whether ``--merge`` was given.
+
+    Raises:
+        ConfigError: For a rank without ``--as-lora``, ``--as-lora`` without a rank or with ``--merge``, or a rank
+            that is not a positive integer or ``full``.
+    """
+    if not as_lora:
+        if rank is not None:
+            raise ConfigError("--rank is the LoRA rank of --as-lora; add --as-lora (or drop --rank)")
+        return None
+    if merge:
+        raise ConfigError("--as-lora and --merge exclude each other: --as-lora writes a LoRA adapter, --merge a full "
+                          "model")
+    if rank is None:
+        raise ConfigError("--as-lora needs --rank R: a positive integer (clipped per layer to its full rank) or "
+                          "'full' (exact, largest); docs/oftv2.md 'Serving as LoRA' has the trade-off")
+    if rank == "full":
+        return rank
+    if not rank.isdigit() or int(rank) < 1:
+        raise ConfigError(f"--rank must be a positive integer or 'full'; got {rank!r}")
+    return int(rank)
+
+
+def export_as_lora(module: Any, output: str, rank: int | str) -> Path:
+    """Writes the OFTv2 adapter of a loaded checkpoint as a PEFT LoRA adapter folder, plus the tokenizer.
+
+    The folder appears atomically (written beside ``output``, then renamed onto it, replacing an earlier export).
+
+    Args:
+        module: The :class:`peftplug.lightning.PeftModule` of the checkpoint.
+        output: Target folder (already checked by :func:`check_export_target`).
+        rank: From :func:`parse_rank`.
+
+    Raises:
+        ConfigError: If the adapter is not OFTv2, or one :func:`oftv2.export_lora` cannot serve as LoRA (biases,
+            modules_to_save, trainable tokens).
+    """
+    import oftv2
+    from peftplug.fileio import atomic_directory
+
+    configs = getattr(module.model, "peft_config", {})
+    config = configs.get("default")
+    if not isinstance(config, oftv2.OFTv2Config):
+        kind = getattr(getattr(config, "peft_type", None), "value", None) or "no adapter"
+        raise ConfigError(f"--as-lora converts OFTv2 adapters only; this checkpoint's adapter is {kind} (export it "
+                          "without --as-lora: it is a PEFT adapter already)")
+    target = Path(output).expanduser().resolve()
+    with atomic_directory(target, overwrite=True) as staging:
+        try:
+            oftv2.export_lora(module.model, staging, rank=rank)  # it fills the empty staging folder
+        except ValueError as err:
+            raise ConfigError(f"--as-lora: {err}") from None
+        if module.tokenizer is not None:
+            module.tokenizer.save_pretrained(staging)
+    return target
+
+
 def export_main(argv: Sequence[str]) -> int:
     """``peftplug export``: writes the adapter (or the merged model) of a peftplug checkpoint.
 
@@ -54,13 +124,21 @@ def export_main(argv: Sequence[str]) -> int:
     parser.add_argument("--ckpt_path", required=True, help="checkpoint written by `peftplug fit`")
     parser.add_argument("--output", required=True, help="directory to write")
     parser.add_argument("--merge", action="store_true", help="merge the adapter into the base (merge_and_unload)")
+    parser.add_argument("--as-lora", action="store_true",
+                        help="write an OFTv2/QOFT adapter as a standard PEFT LoRA adapter (for vLLM, SGLang, TGI)")
+    parser.add_argument("--rank", default=None,
+                        help="LoRA rank of --as-lora: a positive integer (clipped per layer) or 'full' (exact)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing output directory written by an earlier export")
     args = parser.parse_args(list(argv))
+    rank = parse_rank(args.rank, args.as_lora, args.merge)
     check_export_target(args.output, args.overwrite)  # before the (slow) model load, and before anything is written
     from peftplug.checkpoints import load_checkpoint_module
 
     module = load_checkpoint_module(args.ckpt_path, map_location="cpu")
+    if rank is not None:
+        print(f"wrote LoRA adapter (rank {rank}) to {export_as_lora(module, args.output, rank)}")
+        return 0
     path = module.export(args.output, merge=args.merge, overwrite=args.overwrite)
     print(f"wrote {'merged model' if args.merge else 'adapter'} to {path}")
     return 0

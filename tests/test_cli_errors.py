@@ -50,6 +50,11 @@ def files(tmp_path_factory):
     (root / "train.jsonl").write_text("\n".join(lines))
     (root / "truncated.jsonl").write_text("\n".join(lines[:4] + [lines[4][:15]] + lines[5:]))
     (root / "extra_field.csv").write_text("prompt,response\na,b\nc,d,e\n")
+    for name, bad_turns in BAD_CONVERSATIONS.items():  # conversational files whose third row is malformed
+        good = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+                for i in range(12)]
+        good[2] = {"messages": bad_turns}
+        (root / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in good))
     lora = _recipe(root, {"peft_type": "LORA", "r": 4, "target_modules": ["q_proj", "v_proj"],
                           "init_lora_weights": False})
     oft = _recipe(root, {"class_path": "oftv2.OFTv2Config",
@@ -84,6 +89,30 @@ def files(tmp_path_factory):
         edit(variant)
         torch.save(variant, bad / name)
     return {"root": root, "lora": lora, "oft": oft, "ckpt": ckpt, "bad": bad}
+
+
+# Issue 30: malformed rows of a `messages` file (tests/test_chat_messages.py has every case in Python).
+BAD_CONVERSATIONS = {
+    "unknown_role": [{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}],
+    "no_assistant": [{"role": "user", "content": "q"}],
+    "int_content": [{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}],
+    "tool_turn": [{"role": "user", "content": "q"}, {"role": "tool", "content": "42"},
+                  {"role": "assistant", "content": "a"}],
+    "list_content": [{"role": "user", "content": [{"type": "text", "text": "q"}]},
+                     {"role": "assistant", "content": "a"}],
+}
+
+
+def _chat(name: str):
+    """`peftplug fit` with ChatData on one of the malformed conversational files."""
+    return lambda f: ["fit", "--config", f["lora"], "--data.class_path", "peftplug.data.ChatData",
+                      "--data.init_args.train_file", f["root"] / f"{name}.jsonl",
+                      "--data.init_args.validation_file", f["root"] / f"{name}.jsonl"]
+
+
+def _as_lora(ckpt: str, *extra: str):
+    """`peftplug export --as-lora` of the fixture's LoRA checkpoint (``ckpt``: a key of the files fixture)."""
+    return lambda f: ["export", "--ckpt_path", f[ckpt], "--output", f["root"] / "o", *extra]
 
 
 def _error_line(capsys, code: int, prog: str = "peftplug") -> str:
@@ -250,6 +279,28 @@ CASES = [
      "model '/no/such/model' not found"),
     ("chat_max_new_tokens_negative", lambda f: ["chat", "--model", "tiny:llama", "--max_new_tokens", "-1"],
      "--max_new_tokens must be >= 1; got -1"),
+    # Issue 30: conversational rows that cannot be trained on name their file and row ...
+    ("messages_unknown_role", _chat("unknown_role"),
+     "unknown_role.jsonl' row 3 (train split): turn 2 has unknown role 'bot'; accepted: system, user, assistant"),
+    ("messages_no_assistant", _chat("no_assistant"), "no_assistant.jsonl' row 3 (train split): no assistant turn"),
+    ("messages_int_content", _chat("int_content"),
+     "int_content.jsonl' row 3 (train split): turn 1's content is int, expected a string"),
+    ("messages_tool_turn", _chat("tool_turn"),
+     "tool_turn.jsonl' row 3 (train split): turn 2 is a tool turn (role 'tool'): tool turns are not supported"),
+    ("messages_list_content", _chat("list_content"),
+     "list_content.jsonl' row 3 (train split): turn 1's content is a list (content parts); only string content"),
+    # ... and export --as-lora refuses what it cannot convert, before writing anything.
+    ("export_as_lora_of_lora", _as_lora("ckpt", "--as-lora", "--rank", "4"),
+     "--as-lora converts OFTv2 adapters only; this checkpoint's adapter is LORA (export it without --as-lora"),
+    ("export_as_lora_rank_word", _as_lora("ckpt", "--as-lora", "--rank", "big"),
+     "--rank must be a positive integer or 'full'; got 'big'"),
+    ("export_as_lora_rank_zero", _as_lora("ckpt", "--as-lora", "--rank", "0"),
+     "--rank must be a positive integer or 'full'; got '0'"),
+    ("export_as_lora_without_rank", _as_lora("ckpt", "--as-lora"), "--as-lora needs --rank R: a positive integer"),
+    ("export_rank_without_as_lora", _as_lora("ckpt", "--rank", "8"),
+     "--rank is the LoRA rank of --as-lora; add --as-lora (or drop --rank)"),
+    ("export_as_lora_with_merge", _as_lora("ckpt", "--as-lora", "--rank", "8", "--merge"),
+     "--as-lora and --merge exclude each other"),
 ]
 
 
