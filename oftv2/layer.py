@@ -214,15 +214,22 @@ class OFTv2Layer(BaseTunerLayer):
     def get_rotation(self, adapter_name: str, apply_dropout: bool = False) -> torch.Tensor:
         """Rotation blocks of one adapter, ``[n_blocks, b, b]`` (``[1, b, b]`` when shared and not dropped).
 
+        In the skew parameters' dtype, but at least fp32 (fp16/bf16 parameters give fp32 blocks).
+
         Args:
             adapter_name: Name of the adapter.
             apply_dropout: Apply block dropout (each block replaced by ``I`` with probability ``module_dropout``).
         """
         settings = self.oftv2_settings[adapter_name]
         b = self.oftv2_block_size[adapter_name]
-        rotation = ops.cayley_neumann(
-            self.effective_q(adapter_name), b, terms=settings.terms, form=settings.form, impl=settings.impl
-        )
+        q_vec = self.effective_q(adapter_name)
+        if q_vec.dtype in (torch.float16, torch.bfloat16):
+            # Half-precision skew parameters (a bf16 model, or TRL casting a quantized model's adapter to bf16):
+            # the series and the rotation in fp32, as the fused kernel computes inside. Powers of Q in bf16 lose
+            # ~2e-3 per entry, and an fp32 rotation is exactly what the saved adapter computes once PEFT reloads it
+            # in fp32. Every consumer casts the blocks to its own compute dtype.
+            q_vec = q_vec.float()
+        rotation = ops.cayley_neumann(q_vec, b, terms=settings.terms, form=settings.form, impl=settings.impl)
         if apply_dropout and settings.dropout > 0.0:
             n_blocks = self.oftv2_n_blocks[adapter_name]
             rotation = rotation.expand(n_blocks, b, b)
