@@ -112,6 +112,24 @@ def test_interrupted_fit_resumes_to_the_uninterrupted_adapter(tmp_path, optimize
     assert any(not torch.equal(start[n], want[n]) for n in want)  # the resumed part did train
 
 
+def test_a_run_stopped_by_max_steps_mid_epoch_extends_to_the_uninterrupted_adapter(tmp_path):
+    """Training longer from a finished run's checkpoint: max_steps stopped it mid-epoch, and Lightning counts that
+    checkpoint's epoch as finished; the next epoch must still follow epoch 1's order, not epoch 2's."""
+    no_val = ["--trainer.limit_val_batches", "0"]  # then ModelCheckpoint saves when max_steps ends the run
+    full = cli(["fit", "--config", str(_recipe(tmp_path / "full", "adamw")), *no_val])
+    recipe = _recipe(tmp_path / "short", "adamw")
+    short = cli(["fit", "--config", str(recipe), "--trainer.max_steps", "5", *no_val])  # epoch 0 has 9 batches
+    assert short.trainer.global_step == 5
+    (path,) = (tmp_path / "short" / "runs").rglob("*.ckpt")
+    saved = torch.load(path, weights_only=True)
+    assert saved["global_step"] == 5 and saved["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"] == 1
+    resumed = cli(["fit", "--config", str(recipe), "--ckpt_path", str(path), *no_val])
+    assert resumed.trainer.global_step == MAX_STEPS  # crosses into epoch 1 at step 9
+    want, got = _adapter(full), _adapter(resumed)
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
 def test_without_the_data_position_the_resume_would_differ(tmp_path):
     """The test above can fail: resuming with the loader position dropped from the checkpoint changes the
     adapter (the epoch would start again from its first batch)."""

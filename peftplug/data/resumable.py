@@ -77,12 +77,34 @@ class ResumableDataLoader(DataLoader):
         self.epoch_batches = epoch_batches
         self._position = 0  # batches of the current epoch handed out (or skipped on resume)
         self._skip = 0
+        self._iter_epoch = 0  # the epoch whose order the current iterator follows
+        self._resuming = False  # load_state_dict ran and no iterator was created since
+        self._resumed_epoch: int | None = None  # the epoch a checkpoint restored, until the next one starts
+        self._epoch_shift = 0  # what to add to the epoch Lightning sets (non-zero only after a resume, see below)
 
     def _epoch(self) -> int:
         return int(getattr(self.sampler, "epoch", 0))
 
+    def _set_sampler_epoch(self, epoch: int) -> None:
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(int(epoch))
+
     def __iter__(self) -> Iterator[Any]:
         skip, self._skip = self._skip, 0
+        if self._resuming:  # the first iterator after load_state_dict: the restored epoch, from its position
+            self._resuming = False
+            self._resumed_epoch = self._epoch()
+        elif self._resumed_epoch is not None:
+            # The epoch after the restored one must follow the next order. Lightning counts a checkpoint written
+            # when max_steps stopped a run mid-epoch as a finished epoch, so it then sets one epoch more (seen
+            # under DDP: epoch 2's order instead of epoch 1's); keep the difference for every later epoch.
+            self._epoch_shift = self._resumed_epoch + 1 - self._epoch()
+            self._resumed_epoch = None
+            self._set_sampler_epoch(self._epoch() + self._epoch_shift)
+        elif self._epoch_shift and self._epoch() != self._iter_epoch:
+            self._set_sampler_epoch(self._epoch() + self._epoch_shift)  # once per epoch that Lightning sets
+        self._iter_epoch = self._epoch()
         self._position = 0
         iterator = super().__iter__()
         for _ in range(skip):  # collating a skipped batch costs little next to a training step
@@ -100,8 +122,8 @@ class ResumableDataLoader(DataLoader):
         limit = self.epoch_batches() if self.epoch_batches is not None else None
         limit = len(self) if limit is None else min(int(limit), len(self))
         if self._position >= limit:
-            return {"epoch": self._epoch() + 1, "batches": 0}
-        return {"epoch": self._epoch(), "batches": self._position}
+            return {"epoch": self._iter_epoch + 1, "batches": 0}
+        return {"epoch": self._iter_epoch, "batches": self._position}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Makes the next iterator start at the saved position (Lightning calls this before creating it).
@@ -109,7 +131,9 @@ class ResumableDataLoader(DataLoader):
         Args:
             state_dict: From :meth:`state_dict`.
         """
-        set_epoch = getattr(self.sampler, "set_epoch", None)
-        if callable(set_epoch):  # before the iterator exists: with workers it reads the sampler at once
-            set_epoch(int(state_dict["epoch"]))
+        # Before the iterator exists: with workers it reads the sampler at once.
+        self._set_sampler_epoch(int(state_dict["epoch"]))
         self._skip = int(state_dict["batches"])
+        self._iter_epoch = int(state_dict["epoch"])
+        self._resuming = True
+        self._epoch_shift = 0
