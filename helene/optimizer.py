@@ -291,12 +291,15 @@ class Helene(ZerothOrderOptimizer):
             st = self.state[p]
             if "exp_avg" not in st:
                 st["exp_avg"] = torch.zeros_like(w, dtype=torch.float32)
-                h_shape = () if self.estimator.per_tensor else w.shape
-                st["hessian"] = torch.zeros(h_shape, dtype=torch.float32, device=w.device)
+                st["hessian"] = (torch.zeros((), dtype=torch.float32, device=w.device) if self.estimator.per_tensor
+                                 else torch.zeros_like(w, dtype=torch.float32))  # (a DTensor for an FSDP2 shard)
             m, h = st["exp_avg"], st["hessian"]
             b1, b2 = group["betas"]
             if refresh:
-                est = self.estimator(z, projected, loss_plus, loss_minus, center, self.eps, self.batch_size)
+                # A per-tensor estimate of an FSDP2 shard is the mean over this rank's shard (a plain scalar): a
+                # mean over the whole tensor would be one more all-reduce per tensor, and z is i.i.d. either way.
+                zt = z.to_local() if self.estimator.per_tensor and hasattr(z, "to_local") else z
+                est = self.estimator(zt, projected, loss_plus, loss_minus, center, self.eps, self.batch_size)
                 h.mul_(b2).add_(est, alpha=1.0 - b2)
                 del est
             m.mul_(b1).add_(z, alpha=self.alpha(t, b1) * projected)

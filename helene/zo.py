@@ -20,6 +20,8 @@ slightly lower variance (E[g gᵀ] loses the 2·diag(∇²) term) but z⊙z ≡ 
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -41,6 +43,25 @@ def _sign_table(device: torch.device) -> torch.Tensor:
         bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
         table = _SIGN_TABLES[device] = (bits * 2 - 1).to(device=device, dtype=torch.float32)
     return table
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` (an FSDP2 shard), without importing torch.distributed when unused."""
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def shard_seed(seed: int, position: int, coordinate: list[int] | None) -> int:
+    """The generator seed of one shard of one tensor in a step: a 62-bit hash of (step seed, tensor, mesh position).
+
+    Deterministic per tensor and shard, and independent of the order in which ranks draw.
+
+    Args:
+        seed: The step's perturbation seed (the same on every rank).
+        position: The tensor's position in the trainable-parameter stream.
+        coordinate: This rank's coordinate in the tensor's device mesh.
+    """
+    text = f"{seed}:{position}:{','.join(str(c) for c in (coordinate or []))}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
 
 
 def rademacher(shape: torch.Size, generator: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -176,17 +197,33 @@ class ZerothOrderOptimizer(Optimizer):
     def _z_stream(self, seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """A function returning, for each trainable parameter in turn, its fp32 direction z for this seed."""
         seeded: set[torch.device] = set()
+        index = itertools.count()  # the tensor's position in the stream (sharded tensors seed from it)
+
+        def sample(shape: torch.Size, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+            if self.perturbation == "rademacher":
+                return rademacher(shape, gen, device)
+            return torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
 
         def draw(p: torch.Tensor) -> torch.Tensor:
+            position = next(index)
+            if _is_dtensor(p):
+                # FSDP2: each rank draws only its own shard, from a generator of its own seeded by (step seed,
+                # tensor, shard), and the local block becomes a DTensor laid out like p, so every update on it
+                # stays local (no communication besides the losses).
+                gen = torch.Generator(device=p.device)
+                gen.manual_seed(shard_seed(seed, position, p.device_mesh.get_coordinate()))
+                local = sample(p.to_local().shape, gen, p.device)
+                from torch.distributed.tensor import DTensor
+
+                return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                          stride=p.stride())
             gen = self._z_gens.get(p.device)
             if gen is None:
                 gen = self._z_gens[p.device] = torch.Generator(device=p.device)
             if p.device not in seeded:
                 gen.manual_seed(seed)
                 seeded.add(p.device)
-            if self.perturbation == "rademacher":
-                return rademacher(p.shape, gen, p.device)
-            return torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
+            return sample(p.shape, gen, p.device)
 
         return draw
 
