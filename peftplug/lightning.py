@@ -34,6 +34,15 @@ from peftplug.loading import (
 )
 from peftplug.quantized_layout import keep_exact_4bit_layout
 from peftplug.resume import RNG_KEY, restore_rng, rng_state
+from peftplug.sharding import (
+    FSDP_MIXED_PRECISIONS,
+    checkpoint_module_state,
+    data_parallel_mesh,
+    is_sharded,
+    local_share,
+    name_optimizer_states,
+    shard_model,
+)
 
 CHECKPOINT_KEY = "peftplug"
 CHECKPOINT_FORMAT = "adapter-only/1"
@@ -82,6 +91,9 @@ class PeftModule(L.LightningModule):
         lr_scheduler: Callable that builds an LR scheduler from the optimizer.
         lr_scheduler_interval: ``step`` or ``epoch`` (first-order training; zeroth-order steps it per step).
         max_new_tokens: Tokens generated per prompt by ``predict`` for language models.
+        fsdp_mixed_precision: Under ``ModelParallelStrategy`` (FSDP2, see :meth:`configure_model`): ``none``, or
+            ``bfloat16`` / ``float16`` to gather and compute with parameters in that dtype (gradients reduced in
+            fp32; shards and optimizer keep ``dtype``). Ignored by every other strategy.
     """
 
     def __init__(
@@ -97,11 +109,13 @@ class PeftModule(L.LightningModule):
         lr_scheduler: LRSchedulerCallable | None = None,
         lr_scheduler_interval: str = "step",
         max_new_tokens: int = 32,
+        fsdp_mixed_precision: str = "none",
     ) -> None:
         super().__init__()
         check_choice("model.task", task, TASKS)
         check_choice("model.quantization", quantization, QUANTIZATIONS)
         check_choice("model.lr_scheduler_interval", lr_scheduler_interval, ("step", "epoch"))
+        check_choice("model.fsdp_mixed_precision", fsdp_mixed_precision, FSDP_MIXED_PRECISIONS)
         if max_new_tokens < 1:
             raise ConfigError(f"model.max_new_tokens must be >= 1; got {max_new_tokens}")
         ignore = ["optimizer", "lr_scheduler"] + ([] if isinstance(model, str) else ["model"])
@@ -391,6 +405,49 @@ class PeftModule(L.LightningModule):
             self.log_dict({name: float(value) for name, value in counters().items()})
         return loss
 
+    # ---------------------------------------------------------------- sharding (FSDP2)
+    def configure_model(self) -> None:
+        """Shards the model with FSDP2 under Lightning's ``ModelParallelStrategy``; does nothing under any other.
+
+        Each transformer block (the model's ``_no_split_modules``) and then the transformers model become FSDP2
+        units over the strategy's data-parallel mesh (:func:`peftplug.sharding.shard_model`), with
+        ``fsdp_mixed_precision``'s policy; adapters that cannot be sharded are refused in one line. Lightning calls
+        this before building the optimizer, and again for every later ``fit``/``test``: a sharded model stays as
+        it is.
+        """
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        trainer = self._trainer
+        if trainer is None or not isinstance(trainer.strategy, ModelParallelStrategy) or is_sharded(self.model):
+            return
+        mixed = self.hparams.get("fsdp_mixed_precision", "none")
+        units = shard_model(self.model, data_parallel_mesh(self.device_mesh), mixed)
+        # Checkpoints hold the adapter only, and the strategy loads them itself before on_load_checkpoint runs
+        # (which checks the keys): strict loading would demand the base weights too.
+        self.strict_loading = False
+        local, total = local_share(self.model)
+        rank_zero_info(f"peftplug: FSDP2 over {trainer.world_size} ranks, {units} units, mixed precision {mixed}; "
+                       f"rank 0 holds {local:,} of {total:,} parameter elements ({100 * local / total:.1f}%)")
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The module's state dict; once sharded (FSDP2), only the adapter tensors.
+
+        A checkpoint keeps the adapter only (:meth:`on_save_checkpoint`); returning just those tensors here keeps
+        Lightning's full-state-dict gathering from assembling the whole base model on rank 0 at every save.
+
+        Args:
+            *args: Passed to ``torch.nn.Module.state_dict``.
+            **kwargs: Passed to ``torch.nn.Module.state_dict``.
+        """
+        state = super().state_dict(*args, **kwargs)
+        if not is_sharded(self.model):
+            return state
+        prefix = kwargs.get("prefix", "")
+        keys = {prefix + key for key in self.adapter_state_keys()}
+        for key in [k for k in state if k not in keys]:
+            del state[key]
+        return state
+
     def configure_optimizers(self) -> Any:
         """Builds the optimizer over the trainable parameters (and the scheduler, if any).
 
@@ -435,6 +492,8 @@ class PeftModule(L.LightningModule):
         # Lightning saves no RNG state; dropout draws from torch's global generator, so an exact resume needs it.
         # Under DDP rank 0's is saved: every rank is seeded alike and draws alike.
         checkpoint[RNG_KEY] = rng_state()
+        if is_sharded(self.model):
+            name_optimizer_states(checkpoint.get("optimizer_states", []), self)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Checks that an adapter-only checkpoint fits this model; ``load_state_dict`` then restores it.
@@ -452,7 +511,13 @@ class PeftModule(L.LightningModule):
             return  # a full checkpoint (e.g. from another module) loads strictly as usual
         if meta.get("format") != CHECKPOINT_FORMAT:
             raise ConfigError(f"checkpoint format {meta.get('format')!r} is not {CHECKPOINT_FORMAT!r}")
-        state = checkpoint.get("state_dict", {})
+        state = checkpoint.get("state_dict")
+        sharded = state is None and is_sharded(self.model)
+        if sharded:
+            # ModelParallelStrategy loads a full checkpoint's module state itself (non-strictly: strict_loading is
+            # off, see configure_model) and pops it before this hook; check its keys from the file, before training.
+            state = checkpoint_module_state(self.trainer.ckpt_path)
+        state = state or {}
         own = self.state_dict()
         unknown = [k for k in state if k not in own]
         expected = set(self.adapter_state_keys())
@@ -467,7 +532,7 @@ class PeftModule(L.LightningModule):
                                         ("shape mismatches", wrong_shape)) if keys
                 )
             )
-        self._adapter_only_load = True
+        self._adapter_only_load = not sharded  # a sharded model is loaded already
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Loads a state dict; after :meth:`on_load_checkpoint` accepted an adapter-only one, base keys may miss.
