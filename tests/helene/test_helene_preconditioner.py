@@ -93,7 +93,7 @@ def test_scalar_preconditioner_is_invariant_to_the_loss_scale(make):
 
 def test_the_papers_preconditioner_is_not_scale_free():
     """The contrast that makes the test above mean something: A-GNB's h grows with c², its λ floor does not."""
-    make = lambda ps: Helene(ps, lr=1e-2, anneal_horizon=3.0, seed=2, lam=0.01)
+    make = lambda ps: Helene(ps, lr=1e-2, anneal_horizon=3.0, seed=2, lam=0.01, preconditioner="hessian")
     ref, scaled = list(_run(make, 1.0))[-1], list(_run(make, 8.0))[-1]
     assert max((ref[n] - scaled[n]).abs().max().item() for n in ref) > 1e-4
 
@@ -104,6 +104,7 @@ def test_bias_correction_of_the_hessian_ema_matches_written_out_steps():
     lr, lam, b1, b2, k = 1e-2, 0.01, 0.9, 0.9, 2
     theta = params(model)
     opt = Helene(model.parameters(), lr=lr, betas=(b1, b2), lam=lam, hessian_interval=k, bias_correction=True,
+                 preconditioner="hessian",
                  anneal=False, seed=8)
     m = {n: torch.zeros_like(t) for n, t in theta.items()}
     h = {n: torch.zeros_like(t) for n, t in theta.items()}
@@ -223,3 +224,15 @@ def test_invalid_preconditioner_settings_name_the_field():
     sd = opt.state_dict()
     with pytest.raises(ValueError, match="scalar second moments"):
         Helene([torch.nn.Parameter(torch.zeros(3))], preconditioner="hessian").load_state_dict(sd)
+
+
+def test_the_default_is_the_scalar_preconditioner_and_an_estimator_selects_the_papers():
+    """Issue 27: the scalar preconditioner beat the paper's reading on both SmolLM2 seeds, so it is the default;
+    naming an estimator (or preconditioner="hessian") gives the paper's A-GNB preconditioner."""
+    ps = [torch.nn.Parameter(torch.zeros(3))]
+    assert Helene(ps).preconditioner == "scalar" and Helene(ps).estimator is None
+    assert Helene(ps, hessian="agnb_layer").preconditioner == "hessian"
+    paper = Helene(ps, preconditioner="hessian")
+    assert paper.preconditioner == "hessian" and paper.estimator.name == "agnb"
+    with pytest.raises(ValueError, match="applies only to preconditioner='hessian'"):
+        Helene(ps, preconditioner="scalar", hessian="agnb")

@@ -50,6 +50,7 @@ def test_helene_first_steps_match_written_out_formula():
     eps, lr, gamma, lam, b1, b2, batch = 1e-3, 1e-2, 2.0, 0.05, 0.9, 0.99, 16
     theta = _params(model)
     opt = Helene(model.parameters(), lr=lr, eps=eps, betas=(b1, b2), gamma=gamma, lam=lam, hessian_interval=2,
+                 preconditioner="hessian",
                  anneal_horizon=5.0, batch_size=batch, seed=3)
     m = {n: torch.zeros_like(t) for n, t in theta.items()}
     h = {n: torch.zeros_like(t) for n, t in theta.items()}
@@ -75,7 +76,8 @@ def test_clip_modes_and_annealing_switch():
     for clip in ("layer", "coordinate", "none"):
         model = _mlp()
         theta = _params(model)
-        opt = Helene(model.parameters(), lr=1e-2, clip=clip, lam=0.5, gamma=1.0, anneal=False, seed=0)
+        opt = Helene(model.parameters(), lr=1e-2, clip=clip, lam=0.5, gamma=1.0, anneal=False, seed=0,
+                     preconditioner="hessian")
         opt.step(_closure(model, x, y))
         c = opt.last_projected_grad
         z = _reference_directions(model, 0)
@@ -225,7 +227,7 @@ def test_load_rejects_foreign_state_dict():
 def test_nonfinite_loss_restores_skips_and_counts():
     x, y = _data()
     model = _mlp()
-    opt = Helene(model.parameters(), lr=1e-2, seed=0, anneal_horizon=10.0)
+    opt = Helene(model.parameters(), lr=1e-2, seed=0, anneal_horizon=10.0, preconditioner="hessian")
     opt.step(_closure(model, x, y))
     theta = _params(model)
     state = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
@@ -253,7 +255,7 @@ def test_no_grad_no_graph_and_state_memory():
     frozen = model[0].weight
     frozen.requires_grad_(False)
     frozen_before = frozen.detach().clone()
-    opt = Helene(model.parameters(), lr=1e-2, seed=0, anneal_horizon=10.0)
+    opt = Helene(model.parameters(), lr=1e-2, seed=0, anneal_horizon=10.0, preconditioner="hessian")
     seen = []
 
     def closure():

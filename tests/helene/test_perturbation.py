@@ -87,7 +87,7 @@ def test_helene_agnb_under_rademacher_is_the_same_for_every_coordinate():
     model, closure = _model_and_batch()
     batch, b2 = 12, 0.99
     opt = Helene(model.parameters(), lr=1e-3, betas=(0.9, b2), batch_size=batch, anneal_horizon=5.0, seed=2,
-                 perturbation="rademacher")
+                 perturbation="rademacher", preconditioner="hessian")
     opt.step(closure)
     expected = (1 - b2) * batch * opt.last_projected_grad**2
     for p in model.parameters():

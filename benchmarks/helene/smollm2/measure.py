@@ -107,7 +107,7 @@ def measure_speed(batches=(8, 16, 32, 64, 128), length: int = 48, steps: int = 3
         suffix = "" if z == "gaussian" else "_rademacher"
         makers["mezo" + suffix] = partial(ZOSGD, params, lr=1e-7, seed=0, perturbation=z)
         makers["helene" + suffix] = partial(Helene, params, lr=1e-7, layerwise="tensor", batch_size=16,
-                                            anneal_horizon=30.0, seed=0, perturbation=z)
+                                            anneal_horizon=30.0, seed=0, perturbation=z, preconditioner="hessian")
     for name, make in makers.items():
         opt = make()
         fwd: list[float] = []

@@ -118,6 +118,7 @@ def _helene(spec, wrap, hessian, **extra):
 
     # Defaults of helene.Helene (β 0.9/0.99, γ 1, λ 1 per tensor, k 10, T = 10% of the run), A-GNB scaled by the
     # batch size; the ablation only swaps the estimator (``extra``: the preconditioner switches).
+    extra.setdefault("preconditioner", "hessian")  # the paper's, unless a method names another
     return partial(wrap(Helene), lr=spec.lr, eps=spec.eps, layerwise="tensor", batch_size=spec.batch_size,
                    hessian=hessian, seed=spec.split_seed, **extra)
 
