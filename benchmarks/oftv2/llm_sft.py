@@ -38,7 +38,7 @@ import torch
 
 from benchmarks.common.pages import read_json, write_json, write_page
 from benchmarks.common.paths import DOCS, REPO, SCRATCH, results_dir
-from benchmarks.common.provenance import provenance
+from benchmarks.common.provenance import cpu_flags, provenance
 from benchmarks.common.timing import interleaved
 
 OUT_MD = DOCS / "llm_sft.md"
@@ -122,7 +122,7 @@ def run_accuracy(method: str, model: str = MODEL, steps: int = STEPS, n_test: in
         "before": before, "after": after, "trainable": trainable,
         "load_s": loaded - start, "eval_s": tested - loaded, "fit_s": fitted - tested,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "cpu_flags": cpu_flags(),
     }
 
 
@@ -266,6 +266,20 @@ def _timed_from_page(section: str) -> dict:
     return timed
 
 
+KEPT = " †"  # marks a row kept from the previous page (its raw result was never committed)
+
+
+def _rows_from_page(page: str) -> dict[str, str]:
+    """The accuracy-table rows of a previously written page that hold numbers, by method (marker stripped)."""
+    rows = {}
+    for row in page.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        method = cells[0].removesuffix(KEPT.strip()).strip() if cells else ""
+        if len(cells) == 7 and method in METHODS and cells[4] != "not run":
+            rows[method] = "| " + " | ".join([method + KEPT, *cells[1:]]) + " |"
+    return rows
+
+
 def render(results: dict, timed: dict | None, timing_args: dict, previous: str) -> str:
     """The Markdown page (keeps the previous timing section when this run measured none).
 
@@ -293,13 +307,25 @@ def render(results: dict, timed: dict | None, timing_args: dict, previous: str) 
         "| method | lr | trainable params | held-out acc. before | after | fit time (s) | peak RSS (MB) |",
         "|---|---|---|---|---|---|---|",
     ]
+    earlier = _rows_from_page(previous)
+    kept = []
     for method in METHODS:
         r = results.get(method)
+        if r is None and method in earlier:
+            lines.append(earlier[method])
+            kept.append(method)
+            continue
         if r is None:
             lines.append(f"| {method} | — | — | — | not run | — | — |")
             continue
         lines.append(f"| {method} | {r['lr']:g} | {r['trainable']:,} | {r['before']:.2f} | {r['after']:.2f} | "
                      f"{r['fit_s']:.0f} | {r['peak_rss_mb']:.0f} |")
+    flags = sorted({", ".join(r["cpu_flags"]) or "none of them" for r in results.values() if "cpu_flags" in r})
+    if flags:
+        lines += ["", f"CPU flags of the runs above (avx2, avx512f, avx512_bf16, amx_bf16): {'; '.join(flags)}."]
+    if kept:
+        lines += ["", (f"†: {', '.join(kept)} — kept from the previous page: an earlier run whose raw result was not "
+                       "committed (rerun the method to replace the row).")]
     lines += ["", ("Fit times are single runs on shared cores (one torch thread): compare step times below, not these. "
               "The learning rates are one setting per family, not tuned per method: OFT's 1.5e-3 comes from the "
               "quickstart's sweep (1.5e-3 → 0.96, 2.5e-3 → 0.86 held-out accuracy); LoRA's 1e-3 is the usual "
