@@ -320,9 +320,13 @@ def render(results: dict, timed: dict | None, timing_args: dict, previous: str) 
             continue
         lines.append(f"| {method} | {r['lr']:g} | {r['trainable']:,} | {r['before']:.2f} | {r['after']:.2f} | "
                      f"{r['fit_s']:.0f} | {r['peak_rss_mb']:.0f} |")
-    flags = sorted({", ".join(r["cpu_flags"]) or "none of them" for r in results.values() if "cpu_flags" in r})
-    if flags:
-        lines += ["", f"CPU flags of the runs above (avx2, avx512f, avx512_bf16, amx_bf16): {'; '.join(flags)}."]
+    by_flags: dict[str, list[str]] = {}
+    for method, r in results.items():
+        if "cpu_flags" in r:
+            by_flags.setdefault(", ".join(r["cpu_flags"]) or "none of them", []).append(method)
+    if by_flags:
+        recorded = "; ".join(f"{flags} ({', '.join(methods)})" for flags, methods in sorted(by_flags.items()))
+        lines += ["", f"CPU flags (of avx2, avx512f, avx512_bf16, amx_bf16) the runs recorded: {recorded}."]
     if kept:
         lines += ["", (f"†: {', '.join(kept)} — kept from the previous page: an earlier run whose raw result was not "
                        "committed (rerun the method to replace the row).")]
