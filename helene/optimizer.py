@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from helene.estimators import get_estimator
-from helene.zo import ZerothOrderOptimizer, check_lr_wd
+from helene.zo import ZerothOrderOptimizer, check_lr_wd, is_dtensor
 
 CLIP_MODES = ("layer", "coordinate", "none")
 #: What divides HELENE's momentum: the EMA of a diagonal Hessian estimate (the paper), or one scale-free scalar.
@@ -303,7 +303,7 @@ class Helene(ZerothOrderOptimizer):
             if refresh:
                 # A per-tensor estimate of an FSDP2 shard is the mean over this rank's shard (a plain scalar): a
                 # mean over the whole tensor would be one more all-reduce per tensor, and z is i.i.d. either way.
-                zt = z.to_local() if self.estimator.per_tensor and hasattr(z, "to_local") else z
+                zt = z.to_local() if self.estimator.per_tensor and is_dtensor(z) else z
                 est = self.estimator(zt, projected, loss_plus, loss_minus, center, self.eps, self.batch_size)
                 h.mul_(b2).add_(est, alpha=1.0 - b2)
                 del est

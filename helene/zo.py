@@ -45,7 +45,7 @@ def _sign_table(device: torch.device) -> torch.Tensor:
     return table
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ``DTensor`` (an FSDP2 shard), without importing torch.distributed when unused."""
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
@@ -206,7 +206,7 @@ class ZerothOrderOptimizer(Optimizer):
 
         def draw(p: torch.Tensor) -> torch.Tensor:
             position = next(index)
-            if _is_dtensor(p):
+            if is_dtensor(p):
                 # FSDP2: each rank draws only its own shard, from a generator of its own seeded by (step seed,
                 # tensor, shard), and the local block becomes a DTensor laid out like p, so every update on it
                 # stays local (no communication besides the losses).

@@ -110,9 +110,9 @@ def _chat(name: str):
                       "--data.init_args.validation_file", f["root"] / f"{name}.jsonl"]
 
 
-def _as_lora(ckpt: str, *extra: str):
-    """`peftplug export --as-lora` of the fixture's LoRA checkpoint (``ckpt``: a key of the files fixture)."""
-    return lambda f: ["export", "--ckpt_path", f[ckpt], "--output", f["root"] / "o", *extra]
+def _export_lora_ckpt(*extra: str):
+    """`peftplug export` of the fixture's trained LoRA checkpoint with ``extra`` arguments."""
+    return lambda f: ["export", "--ckpt_path", f["ckpt"], "--output", f["root"] / "o", *extra]
 
 
 def _error_line(capsys, code: int, prog: str = "peftplug") -> str:
@@ -290,16 +290,16 @@ CASES = [
     ("messages_list_content", _chat("list_content"),
      "list_content.jsonl' row 3 (train split): turn 1's content is a list (content parts); only string content"),
     # ... and export --as-lora refuses what it cannot convert, before writing anything.
-    ("export_as_lora_of_lora", _as_lora("ckpt", "--as-lora", "--rank", "4"),
+    ("export_as_lora_of_lora", _export_lora_ckpt("--as-lora", "--rank", "4"),
      "--as-lora converts OFTv2 adapters only; this checkpoint's adapter is LORA (export it without --as-lora"),
-    ("export_as_lora_rank_word", _as_lora("ckpt", "--as-lora", "--rank", "big"),
+    ("export_as_lora_rank_word", _export_lora_ckpt("--as-lora", "--rank", "big"),
      "--rank must be a positive integer or 'full'; got 'big'"),
-    ("export_as_lora_rank_zero", _as_lora("ckpt", "--as-lora", "--rank", "0"),
+    ("export_as_lora_rank_zero", _export_lora_ckpt("--as-lora", "--rank", "0"),
      "--rank must be a positive integer or 'full'; got '0'"),
-    ("export_as_lora_without_rank", _as_lora("ckpt", "--as-lora"), "--as-lora needs --rank R: a positive integer"),
-    ("export_rank_without_as_lora", _as_lora("ckpt", "--rank", "8"),
+    ("export_as_lora_without_rank", _export_lora_ckpt("--as-lora"), "--as-lora needs --rank R: a positive integer"),
+    ("export_rank_without_as_lora", _export_lora_ckpt("--rank", "8"),
      "--rank is the LoRA rank of --as-lora; add --as-lora (or drop --rank)"),
-    ("export_as_lora_with_merge", _as_lora("ckpt", "--as-lora", "--rank", "8", "--merge"),
+    ("export_as_lora_with_merge", _export_lora_ckpt("--as-lora", "--rank", "8", "--merge"),
      "--as-lora and --merge exclude each other"),
 ]
 

@@ -51,6 +51,16 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def current_rss_mib() -> float | None:
+    """This process's resident set now (``VmRSS``) in MiB, beside the peak that loading transients may set; ``None``
+    where ``/proc/self/status`` is not readable."""
+    try:
+        with open("/proc/self/status", encoding="utf-8") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def provenance(paths: tuple[str, ...] = ("benchmarks", "peftplug")) -> dict:
     """Everything a result file should say about where it was measured.
 

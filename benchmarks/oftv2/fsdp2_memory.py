@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -25,19 +24,13 @@ import lightning as L
 from benchmarks.common.fmt import fmt
 from benchmarks.common.pages import render_results, require_results, write_json, write_page
 from benchmarks.common.paths import DOCS, REPO, results_dir
-from benchmarks.common.provenance import provenance, provenance_line
+from benchmarks.common.provenance import current_rss_mib, peak_rss_mib, provenance, provenance_line
 
 RECIPE = REPO / "recipes" / "oftv2" / "smollm2_bbcnews_fsdp2.yaml"
 RESULTS = results_dir("oftv2") / "fsdp2_memory.json"
 PAGE = DOCS / "fsdp2_memory.md"
 OUT_ENV = "PEFTPLUG_FSDP2_MEMORY_OUT"  # where each rank's callback writes (set by this script for its runs)
 STRATEGIES = {"FSDP2 (ModelParallelStrategy)": [], "DDP": ["--trainer.strategy", "ddp"]}
-
-
-def _rss_mib() -> float:
-    """Resident memory now (``/proc/self/statm``), MiB."""
-    with open("/proc/self/statm", encoding="ascii") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 class RankMemory(L.Callback):
@@ -47,15 +40,15 @@ class RankMemory(L.Callback):
         self.at_start = 0.0
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.at_start = _rss_mib()
+        self.at_start = current_rss_mib()
 
     def on_train_end(self, trainer, pl_module) -> None:
         from peftplug.sharding import local_share
 
         local, total = local_share(pl_module.model)
         record = {"rank": trainer.global_rank, "world": trainer.world_size, "local_elements": local,
-                  "total_elements": total, "rss_start_mib": self.at_start, "rss_end_mib": _rss_mib(),
-                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "total_elements": total, "rss_start_mib": self.at_start, "rss_end_mib": current_rss_mib(),
+                  "peak_rss_mib": peak_rss_mib(),
                   "steps": trainer.global_step}
         Path(os.environ[OUT_ENV], f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 

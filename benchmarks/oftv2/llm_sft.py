@@ -256,11 +256,16 @@ def targets(results: dict, timed: dict | None) -> list[str]:
     return lines + [""]
 
 
+def _table_cells(row: str) -> list[str]:
+    """The stripped cells of one Markdown table row."""
+    return [c.strip() for c in row.strip().strip("|").split("|")]
+
+
 def _timed_from_page(section: str) -> dict:
     """The median CPU step times of a previously written step-time table (to check targets without re-timing)."""
     timed = {}
     for row in section.splitlines():
-        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        cells = _table_cells(row)
         if len(cells) == 4 and cells[0] in METHODS:
             timed[cells[0]] = {"cpu": float(cells[1]), "wall": float(cells[2]), "ratio": float(cells[3].split()[0])}
     return timed
@@ -273,7 +278,7 @@ def _rows_from_page(page: str) -> dict[str, str]:
     """The accuracy-table rows of a previously written page that hold numbers, by method (marker stripped)."""
     rows = {}
     for row in page.splitlines():
-        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        cells = _table_cells(row)
         method = cells[0].removesuffix(KEPT.strip()).strip() if cells else ""
         if len(cells) == 7 and method in METHODS and cells[4] != "not run":
             rows[method] = "| " + " | ".join([method + KEPT, *cells[1:]]) + " |"

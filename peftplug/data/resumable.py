@@ -79,7 +79,7 @@ class ResumableDataLoader(DataLoader):
         self._skip = 0
         self._iter_epoch = 0  # the epoch whose order the current iterator follows
         self._resuming = False  # load_state_dict ran and no iterator was created since
-        self._resumed_epoch: int | None = None  # the epoch a checkpoint restored, until the next one starts
+        self._after_resumed = False  # the current iterator is the restored epoch's (the next one follows it)
         self._epoch_shift = 0  # what to add to the epoch Lightning sets (non-zero only after a resume, see below)
 
     def _epoch(self) -> int:
@@ -93,14 +93,13 @@ class ResumableDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         skip, self._skip = self._skip, 0
         if self._resuming:  # the first iterator after load_state_dict: the restored epoch, from its position
-            self._resuming = False
-            self._resumed_epoch = self._epoch()
-        elif self._resumed_epoch is not None:
+            self._resuming, self._after_resumed = False, True
+        elif self._after_resumed:
             # The epoch after the restored one must follow the next order. Lightning counts a checkpoint written
             # when max_steps stopped a run mid-epoch as a finished epoch, so it then sets one epoch more (seen
             # under DDP: epoch 2's order instead of epoch 1's); keep the difference for every later epoch.
-            self._epoch_shift = self._resumed_epoch + 1 - self._epoch()
-            self._resumed_epoch = None
+            self._epoch_shift = self._iter_epoch + 1 - self._epoch()
+            self._after_resumed = False
             self._set_sampler_epoch(self._epoch() + self._epoch_shift)
         elif self._epoch_shift and self._epoch() != self._iter_epoch:
             self._set_sampler_epoch(self._epoch() + self._epoch_shift)  # once per epoch that Lightning sets

@@ -18,20 +18,11 @@ from pathlib import Path
 
 from benchmarks.common.device import lightning_device
 from benchmarks.common.pages import write_json
-from benchmarks.common.provenance import cpu_flags, peak_rss_mib
+from benchmarks.common.provenance import cpu_flags, current_rss_mib, peak_rss_mib
 from benchmarks.helene.smollm2 import runs
 from benchmarks.helene.smollm2.runs import RunSpec
 
 INFERENCE_MODES = ("inference", "nf4_inference")
-
-
-def _current_rss_mib() -> float | None:
-    """The resident set now (``VmRSS``): beside the peak, which loading transients may set."""
-    try:
-        with open("/proc/self/status", encoding="utf-8") as f:
-            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return None
 
 
 def modes() -> tuple[str, ...]:
@@ -73,7 +64,7 @@ def measure(mode: str, steps: int = 3) -> dict:
         trainer.fit(module, datamodule=data)
     params = list(module.model.parameters())
     quantization = {"inference": "none", "nf4_inference": "nf4"}.get(mode) or runs.OPTIMIZERS[mode].quantization
-    return {"mode": mode, "peak_rss_mib": peak_rss_mib(), "rss_end_mib": _current_rss_mib(), **runs.cuda_memory(), "device": runs.device_name(),
+    return {"mode": mode, "peak_rss_mib": peak_rss_mib(), "rss_end_mib": current_rss_mib(), **runs.cuda_memory(), "device": runs.device_name(),
             "quantization": quantization,
             "params": sum(p.numel() for p in params), "trainable": sum(p.numel() for p in params if p.requires_grad),
             "steps": 0 if inference else steps, "batch_size": spec.batch_size, "cpu_flags": cpu_flags()}
