@@ -51,7 +51,8 @@ PAGES: dict[str, list[tuple[str, Callable[[Path], bool] | str]]] = {
                                                           d / "helene.md"))],
     "helene_llm.md": [("page", lambda d: helene_smollm2.report(d / "helene_llm.md"))],
     "helene_llm_sweep.md": [("page", RECORD)],
-    "helene_budget.md": [("page", lambda d: helene_budget.write_report(d / "helene_budget.md"))],
+    # Also renders the "Beating MeZO" section of docs/helene.md (beside docs/benchmarks/; absent in a --check copy).
+    "helene_budget.md": [("page", lambda d: helene_budget.write_report(d / "helene_budget.md", d.parent / "helene.md"))],
     "prompt_cls_zero_shot.md": [("page", lambda d: zero_shot.report(d / "prompt_cls_zero_shot.md"))],
     "prompt_transfer.md": [("MiniLM part", lambda d: pct_minilm.report(pct_minilm.RESULTS, d / "prompt_transfer.md")),
                            ("pct-smollm2", IN_RUNS)],

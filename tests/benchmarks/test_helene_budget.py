@@ -252,6 +252,45 @@ def test_the_page_renders_not_yet_run_with_the_queue_then_the_tables(cache, tmp_
     assert "| 600 (1.00×) |" in mezo and "| 2.00 |" in mezo
 
 
+def _memory_record(mode: str, peak: float) -> None:
+    (budget.CACHE / f"memory_{mode}.json").write_text(json.dumps({"mode": mode, "peak_rss_mib": peak,
+                                                                   "trainable": 134_515_008}))
+
+
+def test_the_beating_mezo_section_states_the_targets_from_the_results(cache, tmp_path):
+    doc = tmp_path / "helene.md"
+    markers = "<!-- helene-beating-mezo:begin -->\nstale\n<!-- helene-beating-mezo:end -->"
+    doc.write_text(f"# HELENE\n\n## Beating MeZO\n\nintro\n\n{markers}\n\n## Next\n")
+    page = tmp_path / "benchmarks" / "helene_budget.md"
+    page.parent.mkdir()
+    budget_report.write_report(page, doc)
+    assert "no verdict yet" in doc.read_text() and "stale" not in doc.read_text()
+    _finish_sweeps()
+    accs = {"fzoo4": {120: 0.72, 300: 0.74, 600: 0.75},  # reaches MeZO's 0.700 at 120 and ends higher: a win
+            "helene_scalar": {120: 0.71, 300: 0.69, 600: 0.68},  # reaches it at 120 but ends lower: not a win
+            "mezo": {120: 0.6, 300: 0.65, 600: 0.7}}
+    for method in ("fzoo4", "helene_scalar", "mezo"):
+        for seed in budget.SEEDS:
+            _finish(budget.main_spec("sst2", seed, method, budget.selected(method)[0]), accs=accs[method])
+    for mode, peak in (("mezo", 1300.0), ("fzoo4", 1352.0), ("helene_scalar", 1830.0)):
+        _memory_record(mode, peak)
+    budget_report.write_report(page, doc)
+    text = doc.read_text()
+    assert text.startswith("# HELENE\n\n## Beating MeZO\n\nintro\n\n<!-- helene-beating-mezo:begin -->")
+    assert text.endswith("<!-- helene-beating-mezo:end -->\n\n## Next\n")
+    verdict = next(line for line in text.splitlines() if "Target met" in line)
+    assert "FZOO N=4 (0.20×, 0.750)" in verdict and "HELENE" not in verdict and "moonshot (≤ 0.2×) met" in verdict
+    assert "**0.700**" in text and (page.parent / budget_report.PLOT).is_file()
+    assert "- FZOO N=4: peak RSS 1352 MiB = 1.04× MeZO's (target for a stateless one ≤ 1.1×: met); no optimizer" \
+           in text
+    assert "- HELENE scalar preconditioner: peak RSS 1830 MiB = 1.41× MeZO's; its state: 4 B × 134.5M parameters " \
+           "= 513 MiB." in text
+    assert "](benchmarks/helene_budget_curves.png)" in text
+    doc.write_text("# HELENE\n")
+    with pytest.raises(ValueError, match="helene-beating-mezo"):
+        budget_report.write_report(page, doc)
+
+
 def test_the_optimizers_step_through_lightning_with_their_counters(tiny):
     for method in ("helene_scalar", "helene_scalar_bc"):
         spec = _spec(method, 4, (4,))

@@ -2,7 +2,8 @@
 
     run [--phase P] [--shard I/N] [--limit K]   work through the queue (resumable), rewriting the page after each run
     queue [--phase P] [--shard I/N]             every item: done, pending (with its shard) or waiting (and why)
-    report                                      docs/benchmarks/helene_budget.md (+ its plots) from the results
+    report                                      docs/benchmarks/helene_budget.md (+ its plots) and docs/helene.md's
+                                                "Beating MeZO" section from the results
     memory [--modes ...]                        peak RSS per optimizer and of nf4 inference, a fresh process each
     replay RUN_ID                               run a recorded result again from its closure values; exit 1 on a
                                                 difference
@@ -29,7 +30,7 @@ from benchmarks.common.paths import REPO
 from benchmarks.helene.smollm2 import budget, budget_run, runs
 from benchmarks.helene.smollm2.budget import PHASES, load_result, queue, shard_members, waiting
 from benchmarks.helene.smollm2.budget_memory import modes
-from benchmarks.helene.smollm2.budget_report import write_report
+from benchmarks.helene.smollm2.budget_report import HELENE_DOC, write_report
 
 
 def _finished() -> int:
@@ -71,7 +72,7 @@ def run_queue(limit: int | None, phase: str = "all", shard: tuple[int, int] = (0
         done += 1
         if write_page:
             try:
-                write_report()
+                write_report(doc=HELENE_DOC)
             except Exception as err:  # noqa: BLE001 - a broken page must not stop the queue: the runs cost hours
                 print(f"report failed: {type(err).__name__}: {err}", flush=True)
     return done
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "queue":
         print_queue(args.phase, args.shard[1] if args.shard[1] > 1 else 2)
     elif args.command == "report":
-        write_report()
+        write_report(doc=HELENE_DOC)
     elif args.command == "memory":
         memory(args.modes)
         write_report()

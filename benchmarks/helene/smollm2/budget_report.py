@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks.common.fmt import fmt
-from benchmarks.common.pages import read_json, write_page
+from benchmarks.common.pages import read_json, read_section, replace_section, write_page
 from benchmarks.common.paths import DOCS
 from benchmarks.helene.smollm2 import budget, grid, runs
 from benchmarks.helene.smollm2.budget import (
@@ -25,12 +25,23 @@ from benchmarks.helene.smollm2.budget import (
 )
 
 DOC = DOCS / "helene_budget.md"
+#: The method page with the "Beating MeZO" section (beside docs/benchmarks/).
+HELENE_DOC = DOCS.parent / "helene.md"
 PLOT = "helene_budget_curves.png"
 LAUNCH = ("mkdir -p runs/helene_budget; for i in 0 1; do OMP_NUM_THREADS=1 setsid nohup .venv/bin/python -m "
           "benchmarks.helene.smollm2.budget_cli run --shard $i/2 --no-report > runs/helene_budget/shard$i.log 2>&1 & "
           "done")
 #: Methods of each table, in the queue's order.
 SST2_METHODS = ("fzoo4", "fzoo8", "helene_scalar", "helene_scalar_bc", "hizoo", "mezo", "mezo_rademacher", "zoadam")
+#: The section of docs/helene.md ("Beating MeZO") this study's results render into.
+DOC_SECTION = "helene-beating-mezo"
+#: Optimizer state per trainable parameter (fp32 bytes): m, v for ZO-Adam; m, h for HELENE with a Hessian; m for
+#: the scalar preconditioners (plus one float per group); none for MeZO and FZOO (see helene.md, "Cost per step").
+STATE_BYTES = {"mezo": 0, "mezo_rademacher": 0, "fzoo4": 0, "fzoo8": 0, "zoadam": 8, "helene_scalar": 4,
+               "helene_scalar_bc": 4, "hizoo": 8}
+#: The issue's targets: forward passes to MeZO's final accuracy as a share of MeZO's, and a stateless optimizer's
+#: peak RSS as a multiple of MeZO's.
+TARGET_RATIO, MOONSHOT_RATIO, STATELESS_RSS = 0.5, 0.2, 1.1
 
 
 def _label(method: str) -> str:
@@ -174,6 +185,92 @@ def _nf4() -> list[str]:
     return lines
 
 
+def _verdict(task: str, methods) -> list[str]:
+    """What the finished runs of ``task`` say about the issue's targets (one line each; nothing before MeZO's
+    runs have finished)."""
+    mezo = _runs(task, "mezo")
+    target = _mean_at(mezo, BUDGET)
+    own = _forwards_to(mezo, target)
+    if target is None or not own:
+        return ["MeZO's runs at the full budget have not finished: no verdict yet."]
+    reached, lines = [], []
+    for method in methods:
+        results = _runs(task, method)
+        if method == "mezo" or len(results) < len(SEEDS):
+            continue
+        reach, final = _forwards_to(results, target), _mean_at(results, BUDGET)
+        ratio = None if reach is None else reach / own
+        reached.append((method, ratio, final))
+    done = ", ".join(_label(m) for m, _, _ in reached) or "none"
+    wins = [(m, r, f) for m, r, f in reached if r is not None and r <= TARGET_RATIO and f is not None and f > target]
+    lines.append(f"- MeZO's accuracy at {BUDGET} forward passes (the target): **{target:.3f}** (mean over seeds "
+                 f"{', '.join(map(str, SEEDS))}). Optimizers with both seeds finished: {done}.")
+    if wins:
+        best = min(wins, key=lambda w: (w[1], -w[2]))
+        lines.append(f"- **Target met** (MeZO's final accuracy in ≤ {TARGET_RATIO}× its forward passes and higher "
+                     f"at the full budget): {', '.join(f'{_label(m)} ({r:.2f}×, {f:.3f})' for m, r, f in wins)}; "
+                     f"moonshot (≤ {MOONSHOT_RATIO}×) {'met' if best[1] <= MOONSHOT_RATIO else 'not met'}.")
+    else:
+        near = [f"{_label(m)}: " + (f"{r:.2f}×" if r is not None else f"not within {BUDGET}")
+                + (f", {f:.3f} at {BUDGET}" if f is not None else "") for m, r, f in reached]
+        lines.append(f"- **Target not met** by the finished optimizers (MeZO's final accuracy in ≤ {TARGET_RATIO}× "
+                     f"its forward passes and higher at the full budget){': ' + '; '.join(near) if near else ''}.")
+    mezo_rss = _memory("mezo")
+    for method in methods:
+        rss = _memory(method)
+        if method == "mezo" or rss is None or mezo_rss is None:
+            continue
+        params = (read_json(budget.CACHE / f"memory_{method}.json") or {}).get("trainable")
+        state = STATE_BYTES.get(method)
+        if state == 0:
+            cost = "; no optimizer state"
+        elif params and state:
+            cost = f"; its state: {state} B × {params / 1e6:.1f}M parameters = {state * params / 2**20:.0f} MiB"
+        else:
+            cost = ""
+        check = (f" (target for a stateless one ≤ {STATELESS_RSS}×: {'met' if rss / mezo_rss <= STATELESS_RSS else 'not met'})"
+                 if state == 0 else "")
+        lines.append(f"- {_label(method)}: peak RSS {rss:.0f} MiB = {rss / mezo_rss:.2f}× MeZO's{check}{cost}.")
+    return lines
+
+
+def beating_mezo_section(plot: bool) -> str:
+    """The body of docs/helene.md's "Beating MeZO" section: the SST-2 table, what it says about the targets, the
+    curves, and the second task and nf4 tables once they have runs.
+
+    Args:
+        plot: Whether the page's curve plot exists (it is linked from docs/benchmarks/).
+    """
+    lines = [("Generated by `python -m benchmarks.helene.smollm2.budget_cli report` from the committed results "
+              "(protocol, sweeps, queue and per-run details: [benchmarks/helene_budget.md](benchmarks/helene_budget.md))."),
+             "", "**SST-2** (k=16, 600 forward passes = MeZO's 300 steps, full 872-sentence test set):", ""]
+    lines += _table("sst2", SST2_METHODS) + [""] + _verdict("sst2", SST2_METHODS)
+    if plot:
+        lines += ["", f"![dev accuracy and training loss against forward passes and wall time](benchmarks/{PLOT})"]
+    cr = ["adamw_lora", "mezo"] + (budget.best_new(2) or [])
+    if any(_runs("cr", m) for m in cr):
+        lines += ["", "**CR** (the second task):", ""] + _table("cr", cr) + [""] + _verdict("cr", cr)
+    if any(_runs("sst2", m) for m in NF4_GRIDS):
+        lines += ["", "**Zeroth-order on an nf4 base** (OFTv2 block 32):", ""] + _nf4()
+    return "\n".join(lines)
+
+
+def write_doc_section(doc: Path, plot: bool) -> None:
+    """Rewrites the "Beating MeZO" section of ``doc`` (docs/helene.md) between its markers.
+
+    Args:
+        doc: The method page.
+        plot: Whether the curve plot exists.
+
+    Raises:
+        ValueError: If ``doc`` has no ``helene-beating-mezo`` markers (the table must not land at the page's end).
+    """
+    text = doc.read_text(encoding="utf-8")
+    if read_section(text, DOC_SECTION) is None:
+        raise ValueError(f"{doc} has no <!-- {DOC_SECTION}:begin/end --> markers for the table")
+    write_page(doc, replace_section(text, DOC_SECTION, beating_mezo_section(plot)))
+
+
 def _queue_listing() -> list[str]:
     lines = ["| item | run | state |", "|---|---|---|"]
     for name, spec, why in queue():
@@ -222,11 +319,13 @@ def _plot(page: Path, results: list[dict]) -> bool:
     return True
 
 
-def write_report(page: Path | None = None) -> bool:
+def write_report(page: Path | None = None, doc: Path | None = None) -> bool:
     """Writes the page (and its plot once runs have finished) from the committed results.
 
     Args:
         page: Another page to write (default: docs/benchmarks/helene_budget.md).
+        doc: The method page whose "Beating MeZO" section to rewrite too (docs/helene.md), or ``None``; skipped
+            when the file does not exist (a ``--check`` copy of docs/benchmarks/ has none beside it).
 
     Returns:
         True (the page always renders: with no results it lists the queue).
@@ -253,7 +352,8 @@ def write_report(page: Path | None = None) -> bool:
     lines += ["## SST-2: the comparison", ""] + _table("sst2", SST2_METHODS)
     lines += ["", "Reproducibility: MeZO at 600 forward passes against the grid's recorded 300-step runs:", ""]
     lines += _reproducibility()
-    if _plot(page, main):
+    plotted = _plot(page, main)
+    if plotted:
         lines += ["", f"![curves]({PLOT})"]
     lines += ["", "## Second task: CR", "", ("AdamW-LoRA r=8 (the grid's settings: lr 1e-3, 300 steps, one forward "
               "and one backward each) checks that SmolLM2 learns CR from k=16; then MeZO and the two new optimizers "
@@ -269,5 +369,7 @@ def write_report(page: Path | None = None) -> bool:
                "and seed (no training forwards) and says whether every dev and test point comes out identical."), ""]
     lines += _queue_listing()
     write_page(page, "\n".join(lines) + "\n")
+    if doc is not None and doc.is_file():
+        write_doc_section(doc, plotted)
     return True
 
