@@ -306,6 +306,7 @@ def test_memory_modes_measure_nf4_inference_alone_and_refuse_unknown_modes(tiny)
     record = budget_memory.measure("nf4_inference")
     assert record["quantization"] == "nf4" and record["trainable"] == 0 and record["steps"] == 0
     assert record["peak_rss_mib"] > 0 and record["rss_end_mib"] > 0
+    assert record["eval_batch_size"] == record["batch_size"]  # equal batches: the ratio is the optimizer's cost
     trained = budget_memory.measure("fzoo4_nf4", steps=1)
     assert trained["quantization"] == "nf4" and 0 < trained["trainable"] < trained["params"]
     with pytest.raises(ValueError, match="mode must be one of"):

@@ -4,8 +4,10 @@
 
 ``python -m benchmarks.helene.smollm2.budget_cli memory`` starts one such process per mode (the peak is per
 process; the queue's processes run many runs each, so their own ``peak_rss_mib`` is the largest so far) and writes
-``benchmarks/helene/results/helene_budget/memory_<mode>.json``. Modes: ``inference`` (fp32, 2 test batches of 32),
-``nf4_inference`` (the same on the nf4 base, the adapter-free model the ZO-on-nf4 runs are compared against), or
+``benchmarks/helene/results/helene_budget/memory_<mode>.json``. Modes: ``inference`` (fp32, 3 test batches at the
+training batch size, 16: the forward a zeroth-order step repeats, so the ratio is the optimizer's cost and not the
+batch's), ``nf4_inference`` (the same on the nf4 base, the adapter-free model the ZO-on-nf4 runs are compared
+against), or
 a zeroth-order method of :data:`benchmarks.helene.smollm2.runs.OPTIMIZERS` (3 steps on SST-2 k=16 seed 42, batch 16;
 full parameters, or OFTv2 on nf4 for the ``*_nf4`` methods). Same imports (Lightning + PeftModule) in every mode.
 """
@@ -54,10 +56,13 @@ def measure(mode: str, steps: int = 3) -> dict:
         data = runs.data_module(spec, module.tokenizer)
     else:
         module, data = runs.build(spec)
+    if inference:
+        # At the grid's evaluation batch (32) the logits alone take ~2× a training step's: compare equal batches.
+        data.eval_batch_size = spec.batch_size
     data.setup()
     trainer = L.Trainer(**lightning_device(runs.DEVICE), max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, limit_test_batches=2, default_root_dir=str(runs.SCRATCH / "lightning"))
+                        limit_val_batches=0, limit_test_batches=steps, default_root_dir=str(runs.SCRATCH / "lightning"))
     if inference:
         trainer.test(module, datamodule=data, verbose=False)
     else:
@@ -67,7 +72,8 @@ def measure(mode: str, steps: int = 3) -> dict:
     return {"mode": mode, "peak_rss_mib": peak_rss_mib(), "rss_end_mib": current_rss_mib(), **runs.cuda_memory(), "device": runs.device_name(),
             "quantization": quantization,
             "params": sum(p.numel() for p in params), "trainable": sum(p.numel() for p in params if p.requires_grad),
-            "steps": 0 if inference else steps, "batch_size": spec.batch_size, "cpu_flags": cpu_flags()}
+            "steps": 0 if inference else steps, "batch_size": spec.batch_size,
+            "eval_batch_size": data.eval_batch_size if inference else None, "cpu_flags": cpu_flags()}
 
 
 def main() -> None:

@@ -134,8 +134,8 @@ def _table(task: str, methods, reference_rss: str = "inference") -> list[str]:
 
 
 def _reproducibility() -> list[str]:
-    """MeZO at 600 forward passes against the grid's 300-step MeZO runs (same protocol, same seeds: bit-identical
-    trajectories are expected)."""
+    """MeZO at 600 forward passes against the grid's 300-step MeZO runs (same protocol and seeds; the batch order
+    of epochs after the first changed since, see the note it ends with)."""
     lines = []
     lr = grid.selected_lr("mezo")
     for seed in SEEDS:
@@ -146,9 +146,16 @@ def _reproducibility() -> list[str]:
             lines.append(f"- seed {seed}: {'not run yet' if ours is None else 'no grid run on record'}")
             continue
         same = ours["test_acc"] == theirs["test_acc"]
-        losses = [s["loss"] for s in ours["steps"]] == [s["loss"] for s in theirs["steps"]]
+        pairs = list(zip([s["loss"] for s in ours["steps"]], [s["loss"] for s in theirs["steps"]]))
+        # Rounding (another CPU's kernels) moves a loss by ~1e-7; a different batch or step by far more.
+        close = next((i for i, (a, b) in enumerate(pairs) if abs(a - b) > 1e-5), len(pairs))
+        losses = ("identical" if all(a == b for a, b in pairs) else
+                  f"within 1e-5 through step {close}, then apart" if close < len(pairs) else "within 1e-5")
         lines.append(f"- seed {seed}: {ours['test_acc']:.4f} here, {theirs['test_acc']:.4f} in the grid "
-                     f"({'identical' if same else 'DIFFERENT'}; per-step losses {'identical' if losses else 'differ'})")
+                     f"({'identical' if same else 'DIFFERENT'}; per-step losses {losses})")
+    lines += ["", ("The grid's runs predate `peftplug.data.resumable` (commit b881b48): inside Lightning the former "
+                   "training loader drew its epochs' orders differently from the second epoch on (2 steps an epoch "
+                   "here), so the trajectories part at step 3; see that module's docstring.")]
     return lines
 
 
