@@ -88,6 +88,8 @@ def _fixed_threads():
 
 @pytest.mark.parametrize("optimizer, stop_at", [("adamw", 5), ("adamw", 10), ("mezo", 6), ("fzoo", 11)])
 def test_interrupted_fit_resumes_to_the_uninterrupted_adapter(tmp_path, optimizer, stop_at):
+    # What SIGINT was before (a background shell starts its jobs with it ignored): fit must give that back.
+    before = signal.getsignal(signal.SIGINT)
     full = cli(["fit", "--config", str(_recipe(tmp_path / "full", optimizer))])
     assert full.trainer.global_step == MAX_STEPS and full.interrupted_by() is None
 
@@ -97,7 +99,7 @@ def test_interrupted_fit_resumes_to_the_uninterrupted_adapter(tmp_path, optimize
     assert cut.interrupted_by() == signal.SIGINT and cut.trainer.global_step == stop_at + 1
     saved = torch.load(tmp_path / "cut" / "runs" / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == stop_at + 1 and saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers given back
+    assert signal.getsignal(signal.SIGINT) is before  # handlers given back
     # After the interrupt only last.ckpt: the stopped epoch's end must not write one that marks it complete.
     names = [p.name for p in (tmp_path / "cut" / "runs" / "checkpoints").iterdir()]
     assert "last.ckpt" in names and not [n for n in names if f"step={stop_at + 1}" in n], names
