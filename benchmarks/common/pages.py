@@ -85,6 +85,25 @@ def write_section(path: str | os.PathLike, name: str, body: str, title: str) -> 
     return write_page(path, replace_section(text, name, body))
 
 
+def rewrite_marked_section(path: str | os.PathLike, name: str, render: Callable[[], str]) -> Path:
+    """Rewrites section ``name`` of a hand-written page that must already hold its markers (a generated table inside
+    prose must not land at the page's end, as :func:`write_section` would put it).
+
+    Args:
+        path: The page.
+        name: Section name.
+        render: Returns the section's new content; called only once the markers are found.
+
+    Raises:
+        ValueError: If the page has no ``<!-- name:begin/end -->`` markers.
+    """
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if read_section(text, name) is None:
+        raise ValueError(f"{path} has no <!-- {name}:begin/end --> markers for the table")
+    return write_page(path, replace_section(text, name, render()))
+
+
 def write_page(path: str | os.PathLike, text: str) -> Path:
     """Writes a whole page atomically (its folder created when missing).
 

@@ -36,10 +36,9 @@ import torch
 
 from benchmarks.common.pages import (
     outputs,
-    read_section,
     render_results,
-    replace_section,
     require_results,
+    rewrite_marked_section,
     write_json,
     write_page,
 )
@@ -374,10 +373,7 @@ def write_doc_section(doc: Path, record: dict) -> None:
     Raises:
         ValueError: If ``doc`` has no ``oftv2-lora-export`` section (the table must not land at the page's end).
     """
-    text = doc.read_text(encoding="utf-8")
-    if read_section(text, DOC_SECTION) is None:
-        raise ValueError(f"{doc} has no <!-- {DOC_SECTION}:begin/end --> markers for the table")
-    write_page(doc, replace_section(text, DOC_SECTION, doc_section(record)))
+    rewrite_marked_section(doc, DOC_SECTION, lambda: doc_section(record))
 
 
 def report(results: Path, page: Path, doc: Path | None = None) -> bool:

@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks.common.fmt import fmt
-from benchmarks.common.pages import read_json, read_section, replace_section, write_page
+from benchmarks.common.pages import read_json, rewrite_marked_section, write_page
 from benchmarks.common.paths import DOCS
 from benchmarks.helene.smollm2 import budget, grid, runs
 from benchmarks.helene.smollm2.budget import (
@@ -272,10 +272,7 @@ def write_doc_section(doc: Path, plot: bool) -> None:
     Raises:
         ValueError: If ``doc`` has no ``helene-beating-mezo`` markers (the table must not land at the page's end).
     """
-    text = doc.read_text(encoding="utf-8")
-    if read_section(text, DOC_SECTION) is None:
-        raise ValueError(f"{doc} has no <!-- {DOC_SECTION}:begin/end --> markers for the table")
-    write_page(doc, replace_section(text, DOC_SECTION, beating_mezo_section(plot)))
+    rewrite_marked_section(doc, DOC_SECTION, lambda: beating_mezo_section(plot))
 
 
 def _queue_listing() -> list[str]:
