@@ -89,10 +89,15 @@ def _forwards_per_step(results: list[dict]) -> float | None:
     return None if not passes or None in passes else sum(passes) / sum(steps)
 
 
-def _memory(mode: str) -> float | None:
+def _memory_record(mode: str) -> dict | None:
     record = read_json(budget.CACHE / f"memory_{mode}.json")
     if record is None and mode in ("inference", "mezo"):  # the grid's fp32 measurements, same protocol
         record = read_json(runs.CACHE / f"memory_{'mezo_full' if mode == 'mezo' else mode}.json")
+    return record
+
+
+def _memory(mode: str) -> float | None:
+    record = _memory_record(mode)
     return None if record is None else record.get("peak_rss_mib")
 
 
@@ -224,10 +229,10 @@ def _verdict(task: str, methods) -> list[str]:
                      f"its forward passes and higher at the full budget){': ' + '; '.join(near) if near else ''}.")
     mezo_rss = _memory("mezo")
     for method in methods:
-        rss = _memory(method)
+        record = _memory_record(method) or {}
+        rss, params = record.get("peak_rss_mib"), record.get("trainable")
         if method == "mezo" or rss is None or mezo_rss is None:
             continue
-        params = (read_json(budget.CACHE / f"memory_{method}.json") or {}).get("trainable")
         state = STATE_BYTES.get(method)
         if state == 0:
             cost = "; no optimizer state"
