@@ -215,9 +215,12 @@ def test_slots_keep_their_shard_when_the_best_optimizers_become_known(cache):
     assert [name for name, _, _ in budget.queue()] == positions  # slots filled, none moved
     mid = owners()
     assert budget.best_new(2) is None and budget.waiting("cr")
-    accs = {"fzoo4": 0.8, "helene_scalar": 0.78, "fzoo8": 0.7, "helene_scalar_bc": 0.6, "hizoo": 0.5}
+    # HiZOO and the bias-correction ablation are not candidates: the better of them never fills a slot, and the
+    # slots fill without their mains.
+    accs = {"hizoo": 0.9, "fzoo4": 0.8, "helene_scalar": 0.78, "fzoo8": 0.7}
     for method, acc in accs.items():
         for seed in budget.SEEDS:
+            assert budget.best_new(2) is None  # a candidate's mains are still missing
             _finish(budget.main_spec("sst2", seed, method, budget.selected(method)[0]), acc=acc)
     assert budget.best_new(2) == ["fzoo4", "helene_scalar"]
     assert [name for name, _, _ in budget.queue()] == positions
