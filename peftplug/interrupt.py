@@ -1,7 +1,8 @@
 """Ctrl-C and SIGTERM during training: finish the batch, write a checkpoint, stop cleanly.
 
 :class:`GracefulInterrupt` (``peftplug fit`` adds it to every run) takes over SIGINT and SIGTERM while the training
-loop runs. The first signal only sets a flag; the current batch finishes (a zeroth-order step perturbs the
+loop runs (a signal the process was started with ignored, as ``nohup`` and a background ``&`` do for SIGINT,
+stays ignored). The first signal only sets a flag; the current batch finishes (a zeroth-order step perturbs the
 parameters in place, so a checkpoint taken inside a step would hold perturbed weights), and at the batch boundary
 — where Lightning's ``ModelCheckpoint`` saves too — a checkpoint ``last.ckpt`` is written into the run's checkpoint
 folder and the trainer stops. ``peftplug fit --config ... --ckpt_path last`` then resumes exactly: optimizer, LR
@@ -66,7 +67,12 @@ class GracefulInterrupt(Callback):
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
         for signum in SIGNALS:
-            self._previous[signum] = signal.getsignal(signum)
+            previous = signal.getsignal(signum)
+            if previous is signal.SIG_IGN:
+                # Ignored by whoever started us (nohup, a background shell's `&` for SIGINT): leave it ignored,
+                # as Python itself does for SIGINT, instead of turning a signal the launcher shut off into a stop.
+                continue
+            self._previous[signum] = previous
             signal.signal(signum, self._handle)
 
     def _restore_handlers(self) -> None:

@@ -86,9 +86,41 @@ def _fixed_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def _sigint_default():
+    """SIGINT as an interactive shell leaves it (a background shell starts its jobs with it ignored, and an ignored
+    SIGINT stays ignored during a fit)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+class HandlersDuringFit(lightning.Callback):
+    """Records SIGINT's and SIGTERM's handlers while a training step runs."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def test_a_signal_ignored_at_start_stays_ignored_during_fit_and_sigterm_still_stops(tmp_path):
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as nohup / `cmd &` start a job
+    try:
+        seen = HandlersDuringFit()
+        cut = cli(["fit", "--config", str(_recipe(tmp_path, "adamw"))],
+                  trainer_defaults={"callbacks": [seen, SignalAtStep(1, signal.SIGINT), SignalAtStep(3, signal.SIGTERM)]})
+        assert seen.seen[signal.SIGINT] is signal.SIG_IGN and seen.seen[signal.SIGTERM] is not signal.SIG_IGN
+        # SIGINT at step 1 was ignored; SIGTERM at step 3 stopped the run after that step, with a checkpoint.
+        assert cut.interrupted_by() == signal.SIGTERM and cut.trainer.global_step == 4
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is before[signal.SIGTERM]
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
 @pytest.mark.parametrize("optimizer, stop_at", [("adamw", 5), ("adamw", 10), ("mezo", 6), ("fzoo", 11)])
-def test_interrupted_fit_resumes_to_the_uninterrupted_adapter(tmp_path, optimizer, stop_at):
-    # What SIGINT was before (a background shell starts its jobs with it ignored): fit must give that back.
+def test_interrupted_fit_resumes_to_the_uninterrupted_adapter(tmp_path, optimizer, stop_at, _sigint_default):
     before = signal.getsignal(signal.SIGINT)
     full = cli(["fit", "--config", str(_recipe(tmp_path / "full", optimizer))])
     assert full.trainer.global_step == MAX_STEPS and full.interrupted_by() is None
@@ -132,7 +164,7 @@ def test_a_run_stopped_by_max_steps_mid_epoch_extends_to_the_uninterrupted_adapt
         assert torch.equal(want[name], got[name]), name
 
 
-def test_without_the_data_position_the_resume_would_differ(tmp_path):
+def test_without_the_data_position_the_resume_would_differ(tmp_path, _sigint_default):
     """The test above can fail: resuming with the loader position dropped from the checkpoint changes the
     adapter (the epoch would start again from its first batch)."""
     full = cli(["fit", "--config", str(_recipe(tmp_path / "full", "adamw"))])
