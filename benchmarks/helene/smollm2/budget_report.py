@@ -365,8 +365,9 @@ def write_report(page: Path | None = None, doc: Path | None = None) -> bool:
     if plotted:
         lines += ["", f"![curves]({PLOT})"]
     lines += ["", "## Second task: CR", "", ("AdamW-LoRA r=8 (the grid's settings: lr 1e-3, 300 steps, one forward "
-              "and one backward each) checks that SmolLM2 learns CR from k=16; then MeZO and the two new optimizers "
-              "with the best SST-2 accuracy at 600 forward passes, at their SST-2 lrs (full 1000-example test set)."),
+              "and one backward each) checks that SmolLM2 learns CR from k=16; then MeZO and the two of the issue's "
+              f"new optimizers ({', '.join(budget.BEST_CANDIDATES)}) with the best SST-2 accuracy at 600 forward passes, "
+              "at their SST-2 lrs (full 1000-example test set)."),
               ""]
     cr = ["adamw_lora", "mezo"] + (budget.best_new(2) or [])
     lines += _table("cr", cr)
