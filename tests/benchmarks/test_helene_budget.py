@@ -253,6 +253,14 @@ def test_the_page_renders_not_yet_run_with_the_queue_then_the_tables(cache, tmp_
     assert "0.750 ± 0.000" in fzoo and "| 120 (0.20×) |" in fzoo  # reaches MeZO's 0.700 at its first test point
     mezo = next(line for line in text.splitlines() if line.startswith("| MeZO (ZO-SGD) |"))
     assert "| 600 (1.00×) |" in mezo and "| 2.00 |" in mezo
+    # nf4: every test point, so an lr that learns early and loses it by the full budget shows both.
+    for i, spec in enumerate(budget.sweep_specs("mezo_nf4")):
+        _finish(spec, loss=0.5 if i == 1 else 2.0)
+    _finish(budget.main_spec("sst2", 42, "mezo_nf4", budget.selected("mezo_nf4")[0]),
+            accs={120: 0.67, 300: 0.52, 600: 0.5}, acc=0.5)
+    budget_report.write_report(page)
+    nf4 = next(line for line in page.read_text().splitlines() if line.startswith("| MeZO (ZO-SGD), nf4"))
+    assert "| 0.670 (1 seed) | 0.520 (1 seed) | 0.500 (1 seed) | 0.700 ± 0.000 |" in nf4, nf4
 
 
 def _memory_record(mode: str, peak: float) -> None:

@@ -182,17 +182,19 @@ def _sweeps() -> list[str]:
 
 
 def _nf4() -> list[str]:
-    lines = ["| run | lr | test acc @ 600 fwd | fp32 full-parameter counterpart | peak RSS (× nf4 inference) |",
-             "|---|---|---|---|---|"]
+    # Every test point, not only the last: on nf4 an lr can learn by 120 passes and lose it by 600.
+    points = " | ".join(f"test acc @ {b} fwd" for b in TEST_BUDGETS)
+    lines = [f"| run | lr | {points} | fp32 full-parameter counterpart @ {BUDGET} fwd | peak RSS (× nf4 inference) |",
+             "|---|---|" + "---|" * len(TEST_BUDGETS) + "---|---|"]
     for method in NF4_GRIDS:
         results = _runs("sst2", method)
         if not results and method != "mezo_nf4":
             continue
         base = method.removesuffix("_nf4")
         full = [r["test_acc"] for r in _runs("sst2", base)]
-        lines.append(f"| {_label(method)} | {fmt(selected(method)[0], 'g')} | "
-                     f"{_mean_std([r['test_acc'] for r in results])} | {_mean_std(full)} | "
-                     f"{_rss_cell(method, 'nf4_inference')} |")
+        accs = [_mean_std([a for r in results if (a := _test_at(r, b)) is not None]) for b in TEST_BUDGETS]
+        lines.append(f"| {_label(method)} | {fmt(selected(method)[0], 'g')} | {' | '.join(accs)} | "
+                     f"{_mean_std(full)} | {_rss_cell(method, 'nf4_inference')} |")
     lines += ["", f"nf4 inference alone: {_rss_cell('nf4_inference', 'inference')} (× fp32 inference)."]
     return lines
 
