@@ -331,7 +331,7 @@ def queue() -> list[Item]:
         else:
             items += _runs_of("sst2", slot, slot, "sst2", "")
     best = best_new(2)
-    why = "waits for the candidates' SST-2 runs (the best ones: fzoo4, fzoo8, helene_scalar)"
+    why = f"waits for the candidates' SST-2 runs (the best ones: {', '.join(BEST_CANDIDATES)})"
     items += _runs_of("cr", "adamw_lora", "adamw_lora", "cr", "")
     items += _runs_of("cr", "mezo", "mezo", "cr", "")
     for rank in range(2):
