@@ -189,6 +189,34 @@ def test_sweeps_first_then_main_in_the_issues_order_and_the_baselines_at_the_gri
     assert budget.selected("fzoo4")[0] == budget.GRIDS["fzoo4"][1]
 
 
+def test_follow_ups_come_last_in_their_own_phase_and_render_beside_the_queues_run(cache, tmp_path):
+    follow = budget.follow_ups()
+    names = [name for name, _, _ in budget.queue()]
+    assert follow and names[-len(follow):] == [name for name, _, _ in follow]  # appended: no item changes shard
+    specs = [spec for _, spec, _ in follow]
+    assert all(s.purpose == "followup" and s.run_id.endswith("_followup") for s in specs)
+    assert {s.run_id for i in (0, 1) for s in budget.shard_members("followup", (i, 2))} == {s.run_id for s in specs}
+    assert not any(budget.in_phase(name, "nf4") for name, _, _ in follow)
+    doc = tmp_path / "helene.md"
+    doc.write_text("## Beating MeZO\n\n<!-- helene-beating-mezo:begin -->\n<!-- helene-beating-mezo:end -->\n")
+    page = tmp_path / "benchmarks" / "helene_budget.md"
+    page.parent.mkdir()
+    budget_report.write_report(page, doc)
+    assert "Follow-ups" not in doc.read_text()  # nothing to show before a follow-up has finished
+    fzoo = next(s for s in specs if s.method == "fzoo8_nf4")
+    for i, spec in enumerate(budget.sweep_specs("fzoo8_nf4")):
+        _finish(spec, loss=0.5 if i == 1 else 2.0)
+    queued = budget.main_spec("sst2", fzoo.split_seed, "fzoo8_nf4", budget.selected("fzoo8_nf4")[0])
+    _finish(queued, accs={120: 0.67, 300: 0.52, 600: 0.5}, acc=0.5)
+    _finish(fzoo, accs={120: 0.6, 300: 0.66, 600: 0.7})
+    budget_report.write_report(page, doc)
+    for text in (page.read_text(), doc.read_text()):
+        row = next(line for line in text.splitlines() if line.startswith("| FZOO N=8, nf4 + OFTv2 b32, seed 42 |"))
+        assert f"| {fzoo.lr:g} | 0.600 | 0.660 | 0.700 | {queued.lr:g} | 0.670 | 0.520 | 0.500 |" in row, row
+    others = [line for line in doc.read_text().splitlines() if "not run yet" in line]
+    assert len(others) == len(specs) - 1
+
+
 def test_a_sweep_best_on_its_edge_extends_a_decade_and_keeps_its_shard(cache):
     before = {i: [s.run_id for s in budget.shard_members("all", (i, 2))] for i in (0, 1)}
     for i, spec in enumerate(budget.sweep_specs("helene_scalar")):

@@ -23,6 +23,8 @@ The queue, in the order the runs start (``--shard I/N`` processes share it witho
 4. ``nf4``: SmolLM2 in nf4 with an OFTv2 adapter (block 32, every linear layer), MeZO and the best new optimizer:
    an lr sweep of each on seed 42 (adapter parameters start at 0, so the full-parameter lrs need not carry over),
    then 600 forward passes on both seeds.
+5. ``followup``: runs outside the rule above (an lr no sweep chose), each with why (:func:`follow_ups`); the page
+   shows them in a table of their own, beside the queue's run they question, never in the comparison.
 
 A queue position whose optimizer is not known yet (the better FZOO, the best optimizers) is a *slot*: it holds its
 place in the queue while it waits, so the shard that owns it never changes when sweeps or runs finish elsewhere.
@@ -86,7 +88,7 @@ MAIN_ORDER = ("fzoo_best", "helene_scalar", "mezo", "mezo_rademacher", "zoadam",
               "hizoo")
 SWEEP_SCORE_FRACTION = 1 / 3
 MAX_EXTENSIONS = 2
-PHASES = ("all", "sweep", "main", "cr", "nf4")
+PHASES = ("all", "sweep", "main", "cr", "nf4", "followup")
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ class BudgetSpec:
         method: A key of :data:`benchmarks.helene.smollm2.runs.OPTIMIZERS`.
         lr: Learning rate.
         budget: Forward passes over a training batch (the optimizer's counter; AdamW: steps).
-        purpose: ``main``, ``sweep`` (lr selection), ``cr`` or ``nf4`` (the phase it belongs to).
+        purpose: ``main``, ``sweep`` (lr selection), ``cr``, ``nf4`` or ``followup`` (the phase it belongs to).
         tests: Forward-pass counts at which the test set is evaluated (the last is ``budget``).
         dev_every: Dev-set evaluation every ~this many forward passes.
         k: Shots per class.
@@ -341,7 +343,24 @@ def queue() -> list[Item]:
     items += [item for base, _ in nf4_sweeps for item in base] + [item for _, ext in nf4_sweeps for item in ext]
     for slot, method in nf4:
         items += _runs_of("nf4", slot, method, "sst2", why)
-    return items
+    # Appended last, so no earlier item changes shard; the reason travels in the item, not as a wait.
+    return items + [(name, spec, "") for name, spec, _ in follow_ups()]
+
+
+def follow_ups() -> list[Item]:
+    """Runs outside the queue's rule, added after reading finished runs (queue items ``followup:<slot>:s<seed>``).
+
+    The nf4 mains at their sweep's lrs learn by 120 forward passes and then diverge: the training loss rises again,
+    and MeZO's projected gradient on the rotation parameters is 2-4× the full-parameter one (docs/helene.md, "Two
+    ways an early peak is lost"). Each follow-up changes one thing, the lr, to test that reading: FZOO N=8 at its
+    fp32 lr (3e-3, a third of the sweep's 1e-2), MeZO at a tenth of its sweep's 1e-4.
+    """
+    fzoo_why = "the sweep's 1e-2 peaks at 120 passes, then diverges: at FZOO N=8's fp32 lr instead"
+    mezo_why = "at the sweep's 1e-4 the training loss rises after ~100 steps: a tenth of it"
+    runs_ = [("fzoo8-nf4-lr3e-3", "fzoo8_nf4", 3e-3, fzoo_why), ("mezo-nf4-lr1e-5", "mezo_nf4", 1e-5, mezo_why)]
+    return [(f"followup:{slot}:s{SEEDS[0]}", BudgetSpec("sst2", SEEDS[0], method, lr, purpose="followup",
+                                                       max_test=MAX_TEST["sst2"]), why)
+            for slot, method, lr, why in runs_]
 
 
 def in_phase(name: str, phase: str) -> bool:

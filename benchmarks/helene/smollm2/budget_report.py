@@ -199,6 +199,29 @@ def _nf4() -> list[str]:
     return lines
 
 
+def _follow_ups() -> list[str]:
+    """Each follow-up run beside the queue's run it questions (same method and seed, the selected lr)."""
+    points = " | ".join(f"test acc @ {b} fwd" for b in TEST_BUDGETS)
+    queued = " | ".join(f"queue's run @ {b} fwd" for b in TEST_BUDGETS)
+    lines = [f"| run | lr | {points} | queue's run: lr | {queued} | why |",
+             "|---|---|" + "---|" * len(TEST_BUDGETS) + "---|" + "---|" * len(TEST_BUDGETS) + "---|"]
+    for _, spec, why in budget.follow_ups():
+        ours = load_result(spec)
+        lr = selected(spec.method)[0]
+        theirs = None if lr is None else load_result(budget.main_spec(spec.task, spec.split_seed, spec.method, lr))
+
+        lines.append(f"| {_label(spec.method)}, seed {spec.split_seed} | {spec.lr:g} | {_points(ours)} | "
+                     f"{fmt(lr, 'g')} | {_points(theirs)} | {why} |")
+    return lines
+
+
+def _points(result: dict | None) -> str:
+    """A run's test accuracy at each budget as table cells ("not run yet" in the first while it has not)."""
+    if result is None:
+        return " | ".join(["not run yet"] + [""] * (len(TEST_BUDGETS) - 1))
+    return " | ".join(fmt(_test_at(result, b)) for b in TEST_BUDGETS)
+
+
 def _verdict(task: str, methods) -> list[str]:
     """What the finished runs of ``task`` say about the issue's targets (one line each; nothing before MeZO's
     runs have finished)."""
@@ -266,6 +289,9 @@ def beating_mezo_section(plot: bool) -> str:
         lines += ["", "**CR** (the second task):", ""] + _table("cr", cr) + [""] + _verdict("cr", cr)
     if any(_runs("sst2", m) for m in NF4_GRIDS):
         lines += ["", "**Zeroth-order on an nf4 base** (OFTv2 block 32):", ""] + _nf4()
+    if any(load_result(spec) for _, spec, _ in budget.follow_ups()):
+        lines += ["", "**Follow-ups outside the queue's rule** (an lr no sweep chose; not in the tables above):",
+                  ""] + _follow_ups()
     return "\n".join(lines)
 
 
@@ -374,6 +400,10 @@ def write_report(page: Path | None = None, doc: Path | None = None) -> bool:
     cr = ["adamw_lora", "mezo"] + (budget.best_new(2) or [])
     lines += _table("cr", cr)
     lines += ["", "## Zeroth-order on an nf4 base (OFTv2 block 32, every linear layer)", ""] + _nf4()
+    lines += ["", "## Follow-ups outside the queue's rule", "",
+              ("Runs at an lr no sweep chose, added after reading the finished runs "
+               "(`benchmarks.helene.smollm2.budget.follow_ups`); they test a reading of those runs and stay out of "
+               "the comparison's tables."), ""] + _follow_ups()
     lines += ["", "## lr sweeps (SST-2, seed 42)", ""] + _sweeps()
     lines += ["", "## Queue", "", f"Launch: `{LAUNCH}`", "",
               ("Then `python -m benchmarks.helene.smollm2.budget_cli memory` (peak RSS, a fresh process per mode) and "
