@@ -85,10 +85,10 @@ def print_queue(phase: str = "all", shards: int = 2) -> None:
         if not budget.in_phase(name, phase):
             continue
         if spec is None:
-            print(f"{name:28s} {'':70s} waiting: {why}")
+            print(f"{name:30s} {'':70s} waiting: {why}")
             continue
         state = "done" if load_result(spec) else f"pending (shard {owner.get(spec.run_id, '?')}/{shards})"
-        print(f"{name:28s} {spec.run_id:70s} {state}")
+        print(f"{name:30s} {spec.run_id:70s} {state}")
 
 
 def memory(selected: list[str]) -> None:
