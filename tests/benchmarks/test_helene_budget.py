@@ -335,6 +335,23 @@ def test_the_beating_mezo_section_states_the_targets_from_the_results(cache, tmp
         budget_report.write_report(page, doc)
 
 
+def test_the_first_order_check_on_cr_is_a_reference_not_a_contender(cache, tmp_path):
+    doc = tmp_path / "helene.md"
+    doc.write_text("## Beating MeZO\n\n<!-- helene-beating-mezo:begin -->\n<!-- helene-beating-mezo:end -->\n")
+    page = tmp_path / "benchmarks" / "helene_budget.md"
+    page.parent.mkdir()
+    for seed in budget.SEEDS:  # AdamW-LoRA reaches MeZO's final accuracy in half MeZO's steps
+        _finish(budget.main_spec("cr", seed, "adamw_lora", budget.selected("adamw_lora")[0]), acc=0.85)
+        _finish(budget.main_spec("cr", seed, "mezo", budget.selected("mezo")[0]), accs={600: 0.8})
+    budget_report.write_report(page, doc)
+    text = doc.read_text()
+    adamw = next(line for line in text.splitlines() if line.startswith("| AdamW LoRA r=8 |"))
+    assert "first-order reference" in adamw and "0.50×" not in adamw
+    assert "First-order reference AdamW LoRA r=8: 0.850 ± 0.000 after 6 steps" in text
+    assert "Target" not in text.split("**CR**")[1]  # no verdict from the reference alone
+    assert "besides MeZO has finished both seeds yet" in text.split("**CR**")[1]
+
+
 def test_the_optimizers_step_through_lightning_with_their_counters(tiny):
     for method in ("helene_scalar", "helene_scalar_bc"):
         spec = _spec(method, 4, (4,))
