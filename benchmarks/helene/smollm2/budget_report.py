@@ -235,9 +235,11 @@ def _verdict(task: str, methods) -> list[str]:
     own = _forwards_to(mezo, target)
     if target is None or not own:
         return ["MeZO's runs at the full budget have not finished: no verdict yet."]
-    reached, lines = [], []
+    reached, references, lines = [], [], []
     for method in methods:
         results = _runs(task, method)
+        if method in FIRST_ORDER and results:
+            references.append((method, results))
         if method == "mezo" or method in FIRST_ORDER or len(results) < len(SEEDS):
             continue
         reach, final = _forwards_to(results, target), _mean_at(results, BUDGET)
@@ -247,13 +249,10 @@ def _verdict(task: str, methods) -> list[str]:
     wins = [(m, r, f) for m, r, f in reached if r is not None and r <= TARGET_RATIO and f is not None and f > target]
     lines.append(f"- MeZO's accuracy at {BUDGET} forward passes (the target): **{target:.3f}** (mean over seeds "
                  f"{', '.join(map(str, SEEDS))}). Optimizers with both seeds finished: {done}.")
-    for method in FIRST_ORDER:
-        results = _runs(task, method) if method in methods else []
-        if results:
-            accs = [r["test_acc"] for r in results]
-            lines.append(f"- First-order reference {_label(method)}: {_mean_std(accs)} after "
-                         f"{len(results[0]['steps'])} steps (a forward and a backward each; not judged against the "
-                         "targets).")
+    for method, results in references:
+        lines.append(f"- First-order reference {_label(method)}: {_mean_std([r['test_acc'] for r in results])} after "
+                     f"{len(results[0]['steps'])} steps (a forward and a backward each; not judged against the "
+                     "targets).")
     if not reached:
         lines.append("- No zeroth-order optimizer besides MeZO has finished both seeds yet: no verdict on the targets.")
     elif wins:
