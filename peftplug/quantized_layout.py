@@ -123,10 +123,14 @@ def keep_exact_4bit_layout(model: nn.Module) -> int:
 
 #: Start-up messages about bitsandbytes' AVX512-BF16 CPU kernel, which only multiplies repacked weights: bitsandbytes
 #: fetches it from the hub at import (through Hugging Face's `kernels`) and logs when it cannot (offline, or `kernels`
-#: absent), and `kernels` logs that it skips the trust check offline. {logger name: message prefix}.
+#: absent), and `kernels` logs that it skips the trust check offline. {logger name: message prefix}. A logger filter
+#: only sees records its own logger creates, so each module that logs is named: `kernels` moved the trust check from
+#: ``kernels.hf_hub`` (< 0.19) to ``kernels._internals.hf_hub`` (0.19).
+_TRUST_CHECK = "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'"
 UNUSED_KERNEL_MESSAGES = {
     "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward",
-    "kernels.hf_hub": "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'",
+    "kernels.hf_hub": _TRUST_CHECK,
+    "kernels._internals.hf_hub": _TRUST_CHECK,
 }
 
 
