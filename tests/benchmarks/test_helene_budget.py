@@ -192,7 +192,9 @@ def test_sweeps_first_then_main_in_the_issues_order_and_the_baselines_at_the_gri
 def test_follow_ups_come_last_in_their_own_phase_and_render_beside_the_queues_run(cache, tmp_path):
     follow = budget.follow_ups()
     names = [name for name, _, _ in budget.queue()]
-    assert follow and names[-len(follow):] == [name for name, _, _ in follow]  # appended: no item changes shard
+    third = len(budget.THIRD_SEED_METHODS)  # the seed-21 items, queued after the follow-ups
+    # Appended after every comparison item, so no item changes shard.
+    assert follow and names[-len(follow) - third:-third] == [name for name, _, _ in follow]
     specs = [spec for _, spec, _ in follow]
     assert all(s.purpose == "followup" and s.run_id.endswith("_followup") for s in specs)
     assert {s.run_id for i in (0, 1) for s in budget.shard_members("followup", (i, 2))} == {s.run_id for s in specs}
@@ -220,6 +222,43 @@ def test_follow_ups_come_last_in_their_own_phase_and_render_beside_the_queues_ru
         row = next(line for line in doc.read_text().splitlines()
                    if line.startswith(f"| {budget_report._label(spec.method)}, seed {spec.split_seed} |"))
         assert f"| {spec.lr:g} | not run yet |" in row, row
+
+
+def test_the_third_seed_comes_last_in_its_own_phase_and_adds_three_seed_means(cache, tmp_path):
+    positions = [name for name, _, _ in budget.queue()]
+    assert positions[-2:] == ["seed21:mezo:s21", "seed21:fzoo8:s21"]
+    _finish_sweeps(fzoo8_better=True)
+    assert [name for name, _, _ in budget.queue()] == positions  # nothing moved
+    third = [spec for i in (0, 1) for spec in budget.shard_members("seed21", (i, 2))]
+    assert sorted((s.method, s.split_seed, s.purpose) for s in third) == [("fzoo8", 21, "main"), ("mezo", 21, "main")]
+    assert not budget.in_phase("seed21:mezo:s21", "main") and budget.in_phase("seed21:mezo:s21", "all")
+    accs = {("mezo", 42): {120: 0.6, 300: 0.65, 600: 0.7}, ("mezo", 13): {120: 0.6, 300: 0.65, 600: 0.7},
+            ("fzoo8", 42): {120: 0.72, 300: 0.74, 600: 0.75}, ("fzoo8", 13): {120: 0.72, 300: 0.74, 600: 0.75}}
+    for (method, seed), points in accs.items():
+        _finish(budget.main_spec("sst2", seed, method, budget.selected(method)[0]), accs=points)
+    doc = tmp_path / "helene.md"
+    doc.write_text("## Beating MeZO\n\n<!-- helene-beating-mezo:begin -->\n<!-- helene-beating-mezo:end -->\n")
+    page = tmp_path / "benchmarks" / "helene_budget.md"
+    page.parent.mkdir()
+    budget_report.write_report(page, doc)
+    assert "Third split seed" not in page.read_text() + doc.read_text()  # nothing before a seed-21 run
+    mezo21, fzoo21 = sorted(third, key=lambda s: s.method != "mezo")
+    _finish(mezo21, accs={120: 0.55, 300: 0.6, 600: 0.61})  # MeZO's 3-seed final accuracy: (0.7+0.7+0.61)/3 = 0.67
+    budget_report.write_report(page, doc)
+    fzoo_head = f"| FZOO N=8 | {budget.selected('fzoo8')[0]:g} |"
+    row = next(line for line in doc.read_text().splitlines() if line.startswith(fzoo_head))
+    assert "| not run yet |" in row and row.endswith("| — |"), row
+    _finish(fzoo21, accs={120: 0.63, 300: 0.7, 600: 0.71})  # 3-seed means 0.690 / 0.727 / 0.737
+    budget_report.write_report(page, doc)
+    for text in (page.read_text(), doc.read_text()):
+        lines = text.splitlines()
+        fzoo = next(line for line in lines if line.startswith(fzoo_head))
+        assert "| 0.630 | 0.700 | 0.710 | 0.690 ± 0.052 | 0.727 ± 0.023 | 0.737 ± 0.023 | 120 (0.20×) |" in fzoo, fzoo
+        mezo = next(line for line in lines if line.startswith("| MeZO (ZO-SGD) | 0.0001 | 0.550 |"))
+        assert mezo.endswith("| 600 (1.00×) |"), mezo
+        assert "MeZO's 3-seed final accuracy: 0.670" in text
+    two_seed = next(line for line in doc.read_text().splitlines() if line.startswith("| FZOO N=8 | 2.00 |"))  # fake steps: 2 fwd
+    assert "0.750 ± 0.000" in two_seed  # the comparison's table keeps the two-seed means
 
 
 def test_a_sweep_best_on_its_edge_extends_a_decade_and_keeps_its_shard(cache):

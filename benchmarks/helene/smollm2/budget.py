@@ -25,6 +25,9 @@ The queue, in the order the runs start (``--shard I/N`` processes share it witho
    then 600 forward passes on both seeds.
 5. ``followup``: runs outside the rule above (an lr no sweep chose), each with why (:func:`follow_ups`); the page
    shows them in a table of their own, beside the queue's run they question, never in the comparison.
+6. ``seed21``: a third split seed (:data:`THIRD_SEED`) for MeZO and the optimizer that met the target
+   (:data:`THIRD_SEED_METHODS`), same settings as their mains; the tables keep the two-seed means of
+   :data:`SEEDS`, and the page adds the three-seed means in a table of its own.
 
 A queue position whose optimizer is not known yet (the better FZOO, the best optimizers) is a *slot*: it holds its
 place in the queue while it waits, so the shard that owns it never changes when sweeps or runs finish elsewhere.
@@ -88,7 +91,11 @@ MAIN_ORDER = ("fzoo_best", "helene_scalar", "mezo", "mezo_rademacher", "zoadam",
               "hizoo")
 SWEEP_SCORE_FRACTION = 1 / 3
 MAX_EXTENSIONS = 2
-PHASES = ("all", "sweep", "main", "cr", "nf4", "followup")
+PHASES = ("all", "sweep", "main", "cr", "nf4", "followup", "seed21")
+#: The issue's "seed 21 if time allows", for the headline pair only (MeZO and FZOO N=8, which met the target on two
+#: seeds): whether the ratio and the final accuracy hold on a third split. Queued after the follow-ups.
+THIRD_SEED = 21
+THIRD_SEED_METHODS = ("mezo", "fzoo8")
 
 
 @dataclass(frozen=True)
@@ -294,10 +301,11 @@ def main_spec(task: str, seed: int, method: str, lr: float) -> BudgetSpec:
 Item = tuple[str, "BudgetSpec | None", str]
 
 
-def _runs_of(prefix: str, slot: str, method: str | None, task: str, why: str) -> list[Item]:
-    """One queue position per seed for ``method`` (``None``: not known yet, ``why``)."""
+def _runs_of(prefix: str, slot: str, method: str | None, task: str, why: str,
+             seeds: tuple[int, ...] = SEEDS) -> list[Item]:
+    """One queue position per seed of ``seeds`` for ``method`` (``None``: not known yet, ``why``)."""
     items: list[Item] = []
-    for seed in SEEDS:
+    for seed in seeds:
         name = f"{prefix}:{slot}:s{seed}"
         if method is None:
             items.append((name, None, why))
@@ -344,7 +352,11 @@ def queue() -> list[Item]:
     for slot, method in nf4:
         items += _runs_of("nf4", slot, method, "sst2", why)
     # Appended last, so no earlier item changes shard; they never wait (their reasons: follow_ups()).
-    return items + [(name, spec, "") for name, spec, _ in follow_ups()]
+    items += [(name, spec, "") for name, spec, _ in follow_ups()]
+    # After the follow-ups for the same reason (added once they were all queued).
+    for method in THIRD_SEED_METHODS:
+        items += _runs_of(f"seed{THIRD_SEED}", method, method, "sst2", "", seeds=(THIRD_SEED,))
+    return items
 
 
 def follow_ups() -> list[Item]:

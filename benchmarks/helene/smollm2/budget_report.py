@@ -17,6 +17,8 @@ from benchmarks.helene.smollm2.budget import (
     SEEDS,
     SWEEP_BUDGET,
     TEST_BUDGETS,
+    THIRD_SEED,
+    THIRD_SEED_METHODS,
     load_result,
     queue,
     selected,
@@ -59,12 +61,12 @@ def _mean_std(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
-def _runs(task: str, method: str) -> list[dict]:
-    """The finished full-budget runs of ``method`` on ``task``, seed order."""
+def _runs(task: str, method: str, seeds: tuple[int, ...] = SEEDS) -> list[dict]:
+    """The finished full-budget runs of ``method`` on ``task`` for ``seeds``, seed order."""
     lr, _ = selected(method)
     if lr is None:
         return []
-    found = [load_result(budget.main_spec(task, seed, method, lr)) for seed in SEEDS]
+    found = [load_result(budget.main_spec(task, seed, method, lr)) for seed in seeds]
     return [r for r in found if r is not None]
 
 
@@ -72,17 +74,17 @@ def _test_at(result: dict, point: int) -> float | None:
     return next((t["acc"] for t in result.get("tests", []) if t["budget"] == point), None)
 
 
-def _mean_at(results: list[dict], point: int) -> float | None:
-    """Mean test accuracy at a budget over the seeds, once every seed has it."""
+def _mean_at(results: list[dict], point: int, seeds: int = len(SEEDS)) -> float | None:
+    """Mean test accuracy at a budget over the seeds, once every one of the ``seeds`` runs has it."""
     values = [_test_at(r, point) for r in results]
-    return statistics.mean(values) if len(values) == len(SEEDS) and None not in values else None
+    return statistics.mean(values) if len(values) == seeds and None not in values else None
 
 
-def _forwards_to(results: list[dict], target: float | None) -> int | None:
-    """The first test budget whose mean over the seeds reaches ``target``."""
+def _forwards_to(results: list[dict], target: float | None, seeds: int = len(SEEDS)) -> int | None:
+    """The first test budget whose mean over the ``seeds`` runs reaches ``target``."""
     if target is None:
         return None
-    return next((b for b in TEST_BUDGETS if (m := _mean_at(results, b)) is not None and m >= target), None)
+    return next((b for b in TEST_BUDGETS if (m := _mean_at(results, b, seeds)) is not None and m >= target), None)
 
 
 def _forwards_per_step(results: list[dict]) -> float | None:
@@ -140,6 +142,33 @@ def _table(task: str, methods, reference_rss: str = "inference") -> list[str]:
     lines += ["", ("MeZO's final accuracy (the target): " + (f"{target:.3f}" if target is not None else "not yet")
                    + f"; a budget is reached when the mean over seeds {SEEDS} is at least that. Forwards per step: "
                    "measured from the optimizers' counters where runs exist, else the planning number.")]
+    return lines
+
+
+def _third_seed() -> list[str]:
+    """The headline pair on the third split seed: its own test points and the means over all three seeds, with
+    forward passes to MeZO's three-seed final accuracy (empty until a third-seed run has finished)."""
+    seeds = (*SEEDS, THIRD_SEED)
+    runs_of = {m: _runs("sst2", m, seeds) for m in THIRD_SEED_METHODS}
+    if not any(r["spec"]["split_seed"] == THIRD_SEED for found in runs_of.values() for r in found):
+        return []
+    target = _mean_at(runs_of["mezo"], BUDGET, len(seeds))
+    own = _forwards_to(runs_of["mezo"], target, len(seeds))
+    points = " | ".join(f"seed {THIRD_SEED} @ {b} fwd" for b in TEST_BUDGETS)
+    means = " | ".join(f"{len(seeds)} seeds @ {b} fwd" for b in TEST_BUDGETS)
+    lines = [f"| optimizer | lr | {points} | {means} | forwards to MeZO's {len(seeds)}-seed final acc (× MeZO's) |",
+             "|---|---|" + "---|" * (2 * len(TEST_BUDGETS)) + "---|"]
+    for method, results in runs_of.items():
+        third = next((r for r in results if r["spec"]["split_seed"] == THIRD_SEED), None)
+        cells = [_mean_std([v for r in results if (v := _test_at(r, b)) is not None]) if len(results) == len(seeds)
+                 else "—" for b in TEST_BUDGETS]
+        reach = _forwards_to(results, target, len(seeds))
+        to = ("—" if target is None or len(results) < len(seeds) else f"not within {BUDGET}" if reach is None
+              else f"{reach}" + (f" ({reach / own:.2f}×)" if own else ""))
+        lines.append(f"| {_label(method)} | {fmt(selected(method)[0], 'g')} | {_points(third)} | {' | '.join(cells)} "
+                     f"| {to} |")
+    lines += ["", (f"MeZO's {len(seeds)}-seed final accuracy: " + (f"{target:.3f}" if target is not None else "not yet")
+                   + f" (seeds {', '.join(map(str, seeds))}); the tables above keep the means over {SEEDS}.")]
     return lines
 
 
@@ -295,6 +324,9 @@ def beating_mezo_section(plot: bool) -> str:
               "(protocol, sweeps, queue and per-run details: [benchmarks/helene_budget.md](benchmarks/helene_budget.md))."),
              "", "**SST-2** (k=16, 600 forward passes = MeZO's 300 steps, full 872-sentence test set):", ""]
     lines += _table("sst2", SST2_METHODS) + [""] + _verdict("sst2", SST2_METHODS)
+    if third := _third_seed():
+        pair = " and ".join(map(_label, THIRD_SEED_METHODS))
+        lines += ["", f"**Third split seed ({THIRD_SEED})**, {pair} only:", ""] + third
     if plot:
         lines += ["", f"![dev accuracy and training loss against forward passes and wall time](benchmarks/{PLOT})"]
     cr = ["adamw_lora", "mezo"] + (budget.best_new(2) or [])
@@ -350,7 +382,7 @@ def _plot(page: Path, results: list[dict]) -> bool:
         for s in steps:
             total += s["time"]
             clock[s["step"]] = total / 60
-        style, label = ("-" if seed == SEEDS[0] else "--"), f"{_label(method)} s{seed}"
+        style, label = {SEEDS[0]: "-", SEEDS[1]: "--"}.get(seed, ":"), f"{_label(method)} s{seed}"
         smooth = [statistics.mean(x["loss"] for x in steps[max(0, i - 9):i + 1] if x["loss"] is not None)
                   for i in range(len(steps))]
         for col, axis in enumerate((passes, clock)):
@@ -400,6 +432,10 @@ def write_report(page: Path | None = None, doc: Path | None = None) -> bool:
         lines += ["**Not yet run.** Launch (one process per core, resumable; `queue` shows the state):", "",
                   f"    {LAUNCH}", ""]
     lines += ["## SST-2: the comparison", ""] + _table("sst2", SST2_METHODS)
+    if third := _third_seed():
+        lines += ["", f"### Third split seed ({THIRD_SEED})", "",
+                  (f"The issue's \"seed {THIRD_SEED} if time allows\", for {', '.join(map(_label, THIRD_SEED_METHODS))} "
+                   "(queue phase `seed21`, after the follow-ups), same settings as their mains."), ""] + third
     lines += ["", "Reproducibility: MeZO at 600 forward passes against the grid's recorded 300-step runs:", ""]
     lines += _reproducibility()
     plotted = _plot(page, main)
