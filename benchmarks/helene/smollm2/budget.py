@@ -91,11 +91,11 @@ MAIN_ORDER = ("fzoo_best", "helene_scalar", "mezo", "mezo_rademacher", "zoadam",
               "hizoo")
 SWEEP_SCORE_FRACTION = 1 / 3
 MAX_EXTENSIONS = 2
-PHASES = ("all", "sweep", "main", "cr", "nf4", "followup", "seed21")
 #: The issue's "seed 21 if time allows", for the headline pair only (MeZO and FZOO N=8, which met the target on two
 #: seeds): whether the ratio and the final accuracy hold on a third split. Queued after the follow-ups.
 THIRD_SEED = 21
 THIRD_SEED_METHODS = ("mezo", "fzoo8")
+PHASES = ("all", "sweep", "main", "cr", "nf4", "followup", f"seed{THIRD_SEED}")
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,8 @@ class BudgetSpec:
         method: A key of :data:`benchmarks.helene.smollm2.runs.OPTIMIZERS`.
         lr: Learning rate.
         budget: Forward passes over a training batch (the optimizer's counter; AdamW: steps).
-        purpose: ``main``, ``sweep`` (lr selection), ``cr``, ``nf4`` or ``followup`` (the phase it belongs to).
+        purpose: ``main``, ``sweep`` (lr selection), ``cr``, ``nf4`` or ``followup`` (the phase it belongs to;
+            the third seed's runs are ``main`` runs of another seed, queued in phase ``seed21``).
         tests: Forward-pass counts at which the test set is evaluated (the last is ``budget``).
         dev_every: Dev-set evaluation every ~this many forward passes.
         k: Shots per class.
