@@ -57,6 +57,7 @@ def dequantized_reference(qmodel, tiny_checkpoint) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    ref.to(next(qmodel.parameters()).device)  # beside the 4-bit model (cuda with PEFTPLUG_KERNELS_ON_GPU=1)
     modules = dict(ref.named_modules())
     with torch.no_grad():
         for name, layer in four_bit_layers(qmodel):
@@ -181,13 +182,14 @@ def test_models_without_4bit_layers_pass(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("method", ["oftv2", "lora"])
-def test_peft_module_protects_every_adapter_type_before_any_forward(method, tiny_checkpoint, randomize, batch):
+def test_peft_module_protects_every_adapter_type_before_any_forward(method, tiny_checkpoint, randomize, batch,
+                                                                   device):
     # Through the trainer, with no user mistake: validation / evaluate_before_fit run eval forwards before the
     # first training step. The loader keeps every 4-bit layer exact, so the gradients equal the dequantized model's.
     from peftplug.lightning import PeftModule
 
     config = oftv2_config() if method == "oftv2" else lora_config()
-    module = PeftModule(str(tiny_checkpoint), task="causal_lm", quantization="nf4", peft=config)
+    module = PeftModule(str(tiny_checkpoint), task="causal_lm", quantization="nf4", peft=config).to(device)
     if method == "oftv2":
         randomize(module.model, std=0.05)
     module.model.eval()
