@@ -39,10 +39,10 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .config import OFTv2Config
-from .layer import OFTv2Layer, rotate_weight, type_dispatcher
+from .layer import OFTv2Layer, OFTv2Module, rotate_weight, type_dispatcher
 
 
-class Conv2d(nn.Module, OFTv2Layer):
+class Conv2d(OFTv2Module):
     """OFTv2 around ``nn.Conv2d``: convolves with ``W_flat Rᵀ`` (rotation width ``in/groups · kh · kw``).
 
     Args:
@@ -103,7 +103,7 @@ class Conv2d(nn.Module, OFTv2Layer):
         weight = base.weight.reshape(base.out_channels, -1)
         for name in reversed(self._active_rotations()):
             rotation = self.get_rotation(name, apply_dropout=self.training)
-            weight = rotate_weight(weight, rotation, impl=self.oftv2_settings[name].impl)
+            weight = rotate_weight(weight, rotation, impl=self.kernel_plan(name).rotate)
         return weight.reshape(base.weight.shape)
 
     def _output_size(self, height: int, width: int, padding: tuple[int, int]) -> tuple[int, int]:

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from .config import OFTv2Config
-from .layer import OFTv2Layer, type_dispatcher
+from .layer import OFTv2Layer, OFTv2Module, type_dispatcher
 
 
-class Embedding(nn.Module, OFTv2Layer):
+class Embedding(OFTv2Module):
     """OFTv2 around ``nn.Embedding``: ``y = embedding(ids) R₁ … Rₙ`` (rotation width ``embedding_dim``).
 
     Args:

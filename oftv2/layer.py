@@ -29,6 +29,7 @@ from peftplug_kernels.cayley_neumann.reference import triangle_size
 
 from .adapter_params import AdapterParameterDict
 from .config import OFTv2Config
+from .dispatch import KernelPlan, plan_kernels
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,9 @@ class OFTv2Layer(BaseTunerLayer):
         self.oftv2_block_size: dict[str, int] = {}
         self.oftv2_n_blocks: dict[str, int] = {}
         self.oftv2_settings: dict[str, RotationSettings] = {}
+        # Kernels each adapter runs on its current device (oftv2.dispatch): resolved here and on moves, read by
+        # every forward.
+        self._oftv2_kernels: dict[str, KernelPlan] = {}
         self._disable_adapters = False
         self.merged_adapters = []
         self.kwargs = kwargs
@@ -196,11 +200,63 @@ class OFTv2Layer(BaseTunerLayer):
             conv_evaluation=config.conv_evaluation,
         )
         self._move_adapter_to_device_of_base_layer(adapter_name)
+        self.refresh_kernels(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
 
     def rotation_width(self) -> int:
         """Width of the vectors ``R`` rotates: ``in_features`` here; a conv's flattened filter size in ``oftv2.conv``."""
         return self.in_features
+
+    # ------------------------------------------------------------------------------------------ kernel plans
+    def _plan_kernels(self, adapter_name: str) -> KernelPlan:
+        """Resolves the kernels of one adapter for its current device (quantized layers add the fused path).
+
+        Args:
+            adapter_name: Name of the adapter.
+        """
+        return plan_kernels(
+            self.oftv2_settings[adapter_name], self.oftv2_block_size[adapter_name], self.oftv2_Q[adapter_name]
+        )
+
+    def refresh_kernels(self, adapter_name: str | None = None) -> None:
+        """Re-resolves the kernel plan of one adapter (default: every adapter of this layer).
+
+        Called when an adapter is created and after the layer moves (``_apply``); call it after changing what
+        the dispatch depends on by hand (e.g. ``peftplug_kernels``' per-device table).
+
+        Args:
+            adapter_name: The adapter, or ``None`` for all.
+        """
+        plans = getattr(self, "_oftv2_kernels", None)
+        if plans is None:  # _apply during construction, before the adapter state exists
+            return
+        if adapter_name is None:
+            plans.clear()
+        for name in list(self.oftv2_Q) if adapter_name is None else [adapter_name]:
+            if name in self.oftv2_Q:
+                plans[name] = self._plan_kernels(name)
+            else:
+                plans.pop(name, None)
+
+    def kernel_plan(self, adapter_name: str) -> KernelPlan:
+        """The adapter's resolved kernels; rebuilt only if its settings or its parameters' device changed.
+
+        Two attribute comparisons per call in eager mode; under ``torch.compile`` they are constants at trace time
+        (guarded), so the compiled forward holds no dispatch code at all.
+
+        Args:
+            adapter_name: Name of the adapter.
+        """
+        plan = self._oftv2_kernels.get(adapter_name)
+        if (
+            plan is None
+            or plan.settings is not self.oftv2_settings[adapter_name]
+            or plan.device != self.oftv2_Q[adapter_name].device
+        ):
+            # Moved without _apply (e.g. accelerate hooks, load_state_dict(assign=True)) or settings replaced.
+            self.refresh_kernels(adapter_name)
+            plan = self._oftv2_kernels[adapter_name]
+        return plan
 
     # ----------------------------------------------------------------------------------------------- rotation
     def effective_q(self, adapter_name: str) -> torch.Tensor:
@@ -222,6 +278,7 @@ class OFTv2Layer(BaseTunerLayer):
         """
         settings = self.oftv2_settings[adapter_name]
         b = self.oftv2_block_size[adapter_name]
+        impl = self.kernel_plan(adapter_name).cayley
         q_vec = self.effective_q(adapter_name)
         if q_vec.dtype in (torch.float16, torch.bfloat16):
             # Half-precision skew parameters (a bf16 model, or TRL casting a quantized model's adapter to bf16):
@@ -229,7 +286,7 @@ class OFTv2Layer(BaseTunerLayer):
             # ~2e-3 per entry, and an fp32 rotation is exactly what the saved adapter computes once PEFT reloads it
             # in fp32. Every consumer casts the blocks to its own compute dtype.
             q_vec = q_vec.float()
-        rotation = ops.cayley_neumann(q_vec, b, terms=settings.terms, form=settings.form, impl=settings.impl)
+        rotation = ops.cayley_neumann(q_vec, b, terms=settings.terms, form=settings.form, impl=impl)
         if apply_dropout and settings.dropout > 0.0:
             n_blocks = self.oftv2_n_blocks[adapter_name]
             rotation = rotation.expand(n_blocks, b, b)
@@ -248,7 +305,7 @@ class OFTv2Layer(BaseTunerLayer):
             if name not in self.oftv2_Q:
                 continue
             rotation = self.get_rotation(name, apply_dropout=self.training)
-            x = ops.block_rotate(x, rotation, impl=self.oftv2_settings[name].impl)
+            x = ops.block_rotate(x, rotation, impl=self.kernel_plan(name).rotate)
         return x
 
     def adapters_bypassed(self) -> bool:
@@ -359,7 +416,21 @@ class OFTv2Layer(BaseTunerLayer):
         return torch.block_diag(*blocks.unbind(0))
 
 
-class Linear(nn.Module, OFTv2Layer):
+class OFTv2Module(nn.Module, OFTv2Layer):
+    """Base of the OFTv2 layer classes: an ``nn.Module`` whose kernel plans follow it to another device.
+
+    ``nn.Module`` precedes :class:`OFTv2Layer` in the method order (PEFT's layout), so ``_apply`` lives here.
+    """
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)
+        # .to() / .cuda() / .half() end here: resolve the kernels for the new device now, so that neither eager
+        # forwards nor a compiled graph ever resolve them.
+        self.refresh_kernels()
+        return out
+
+
+class Linear(OFTv2Module):
     """OFTv2 around ``nn.Linear`` or GPT-2 ``Conv1D`` (``fan_in_fan_out=True``: weight stored in × out).
 
     Args:
