@@ -25,6 +25,12 @@ def triton_available() -> bool:
     return True
 
 
+# A constant to torch.compile: dynamo refuses to trace an lru_cache (the graph broke here), and the outcome of an
+# import cannot change within a process. What ``torch.compiler.assume_constant_result`` sets, without its import
+# of torch._dynamo (which imports Triton: ``import peftplug_kernels.ops`` must not).
+triton_available._dynamo_marked_constant = True
+
+
 def interpret_requested() -> bool:
     """Whether ``TRITON_INTERPRET=1`` is set now (Triton reads it when a kernel is decorated)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")

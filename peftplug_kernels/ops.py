@@ -1,9 +1,16 @@
 """Public entry points of the kernels package, with implementation dispatch.
 
-``impl="auto"`` uses the fused Triton kernel when Triton is available and the tensors are on CUDA, the pure
-torch reference otherwise; ``"torch"`` and ``"triton"`` force one (tests and benchmarks). ``"triton"`` on CPU
-works only in interpreter mode (``TRITON_INTERPRET=1`` set before the first kernel import). Kernel modules are
-imported lazily, on first use, so importing this module never imports Triton.
+``impl="auto"`` runs the kernel the per-device dispatch table chooses (:mod:`peftplug_kernels.dispatch_table`:
+Triton where a GPU measurement showed it faster and the tensors are on CUDA with Triton installed, the pure torch
+reference otherwise); ``"torch"`` and ``"triton"`` force one. ``"triton"`` on CPU works only in interpreter mode
+(``TRITON_INTERPRET=1`` set before the first kernel import). Kernel modules are imported lazily, on first use, so
+importing this module never imports Triton.
+
+Dispatch once, not per call: callers that run an op on every forward (OFTv2 layers) call :func:`resolve_impl` once
+per device and pass the resolved ``"torch"``/``"triton"``. With a resolved impl the ops do no availability check
+under ``torch.compile`` and one set lookup in eager mode (CUDA; on CPU the interpreter check runs, tests only), and
+everything they run traces with ``torch.compile(fullgraph=True)``: the Triton path goes through the custom ops of
+:mod:`peftplug_kernels.library`.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ import math
 
 import torch
 
-from peftplug_kernels._triton_available import load_kernel_module, triton_available, triton_usable
+from peftplug_kernels import dispatch_table, library
+from peftplug_kernels._triton_available import triton_available, triton_usable
 from peftplug_kernels.block_rotate import reference as _rotate_ref
 from peftplug_kernels.cayley_neumann import reference as _cn_ref
 from peftplug_kernels.nf4_dequantize import reference as _deq_ref
@@ -25,6 +33,11 @@ NF4_TRITON_MAX_BLOCK = 128
 # The fused kernel indexes the packed weight with int32 (int64 would cost registers on every tile); no 4-bit layer
 # of a released model comes near this (a 128k-vocabulary × 16k head would, and bitsandbytes skips heads).
 NF4_TRITON_MAX_ELEMENTS = 2**31 - 1
+# Kernel sub-package -> op name in the dispatch table, where they differ.
+_TABLE_OP = {"nf4_dequantize": "dequantize_4bit"}
+# (op, device type) pairs whose forced Triton kernel was found runnable: checked once, not per call. CUDA only:
+# on CPU runnability depends on TRITON_INTERPRET, which tests change at run time.
+_TRITON_OK: set[tuple[str, str]] = set()
 
 
 def _check_impl(impl: str) -> None:
@@ -34,6 +47,8 @@ def _check_impl(impl: str) -> None:
 
 def resolve_impl(impl: str, *tensors: torch.Tensor, op: str = "block_rotate") -> str:
     """Chooses ``"torch"`` or ``"triton"`` for ``impl`` given the tensors an op will read.
+
+    Call it once per layer and device (build or move time) and pass the result to the op on every call.
 
     Args:
         impl: ``"auto"``, ``"torch"`` or ``"triton"``.
@@ -48,12 +63,25 @@ def resolve_impl(impl: str, *tensors: torch.Tensor, op: str = "block_rotate") ->
     if impl == "torch":
         return "torch"
     if impl == "auto":
-        on_cuda = all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor))
-        return "triton" if on_cuda and triton_available() else "torch"
+        devices = [t.device for t in tensors if isinstance(t, torch.Tensor)]
+        if not devices or not all(d.type == "cuda" for d in devices) or not triton_available():
+            return "torch"
+        return dispatch_table.kernel_choice(_TABLE_OP.get(op, op), devices[0])
     ok, why = triton_usable(op, *tensors)
     if not ok:
         raise RuntimeError(f"impl='triton' cannot run here: {why}")
+    if all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor)):
+        _TRITON_OK.add((op, "cuda"))
     return "triton"
+
+
+def _resolved(impl: str, op: str, *tensors: torch.Tensor) -> str:
+    """``resolve_impl`` without its checks for an already-resolved ``impl`` (the per-call hot path)."""
+    if impl == "torch":
+        return impl
+    if impl == "triton" and (torch.compiler.is_compiling() or (op, tensors[0].device.type) in _TRITON_OK):
+        return impl
+    return resolve_impl(impl, *tensors, op=op)
 
 
 def cayley_neumann(
@@ -86,10 +114,8 @@ def cayley_neumann(
             f"the Triton Cayley-Neumann kernel supports forms 'cayley_neumann'/'peft_cn' and block_size in "
             f"[2, {CN_TRITON_MAX_BLOCK}]; got form={form!r}, block_size={block_size}"
         )
-    if kernel_fits and resolve_impl(impl, q_vec, op="cayley_neumann") == "triton":
-        from peftplug_kernels.cayley_neumann.function import cayley_neumann as fused
-
-        return fused(q_vec, block_size, terms, form)
+    if kernel_fits and _resolved(impl, "cayley_neumann", q_vec) == "triton":
+        return library.cayley_neumann(q_vec, block_size, terms, form)
     _check_impl(impl)
     return _cn_ref.cayley_neumann(q_vec, block_size, terms=terms, form=form)
 
@@ -113,10 +139,8 @@ def block_rotate(x: torch.Tensor, rotation: torch.Tensor, impl: str = "auto") ->
         impl: See module docstring.
     """
     _check_rotation(x.shape[-1], rotation)
-    if resolve_impl(impl, x, rotation, op="block_rotate") == "triton":
-        from peftplug_kernels.block_rotate.function import block_rotate as fused
-
-        return fused(x, rotation)
+    if _resolved(impl, "block_rotate", x, rotation) == "triton":
+        return library.block_rotate(x, rotation)
     return _rotate_ref.block_rotate(x, rotation)
 
 
@@ -161,16 +185,23 @@ def nf4_rotate_matmul(
     _check_rotation(x.shape[-1], rotation)
     tensors = (x, rotation, weight) + (() if bias is None else (bias,))
     why_not = nf4_kernel_unfit(rotation.shape[-1], shape)
-    if why_not:
-        if impl == "triton":
-            raise ValueError(f"the fused NF4 kernel cannot run this layer: {why_not}")
-        _check_impl(impl)
+    if why_not and impl == "triton":
+        raise ValueError(f"the fused NF4 kernel cannot run this layer: {why_not}")
+    fused = not why_not and _resolved(impl, "nf4_rotate_matmul", *tensors) == "triton"
+    if fused and impl == "auto":
+        # The table chose the fused kernel for this device: only up to its measured token threshold.
+        fused = x.numel() <= dispatch_table.fused_nf4_max_tokens(x.device) * x.shape[-1]
+    if fused:
+        return library.nf4_rotate_matmul(x, rotation, weight, quant_state, bias)
+    _check_impl(impl)
+    if impl == "torch":
         return _nf4_ref.nf4_rotate_matmul(x, rotation, weight, quant_state, bias)
-    if resolve_impl(impl, *tensors, op="nf4_rotate_matmul") == "triton":
-        from peftplug_kernels.nf4_rotate_matmul.function import nf4_rotate_matmul as fused
-
-        return fused(x, rotation, weight, quant_state, bias)
-    return _nf4_ref.nf4_rotate_matmul(x, rotation, weight, quant_state, bias)
+    # Unfused under auto: the reference's composition (rotate, dequantize, matmul), each piece on its own best kernel.
+    return _nf4_ref.nf4_rotate_matmul(
+        x, rotation, weight, quant_state, bias,
+        rotate=lambda x_, r_: block_rotate(x_, r_, impl="auto"),
+        dequantize=lambda w_, s_, dtype: dequantize_4bit(w_, s_, dtype, impl="auto"),
+    )
 
 
 def dequantize_4bit(weight: torch.Tensor, quant_state, dtype: torch.dtype | None = None,
@@ -191,6 +222,6 @@ def dequantize_4bit(weight: torch.Tensor, quant_state, dtype: torch.dtype | None
     """
     if len(tuple(quant_state.shape)) != 2:
         raise ValueError(f"quant_state.shape must be (out, in), got {tuple(quant_state.shape)}")
-    if resolve_impl(impl, weight, op="nf4_dequantize") == "triton":
-        return load_kernel_module("nf4_dequantize").dequantize_4bit(weight, quant_state, dtype)
+    if _resolved(impl, "nf4_dequantize", weight) == "triton":
+        return library.dequantize_4bit(weight, quant_state, dtype)
     return _deq_ref.dequantize_4bit(weight, quant_state, dtype)

@@ -16,7 +16,8 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 class BlockRotateFunction(torch.autograd.Function):
-    """``BlockRotateFunction.apply(x, rotation)``: Triton forward and backward of :func:`peftplug_kernels.ops.block_rotate`."""
+    """``BlockRotateFunction.apply(x, rotation)``: the eager Triton path of :func:`peftplug_kernels.ops.block_rotate`
+    (under ``torch.compile`` the custom op ``torch.ops.peftplug.block_rotate`` runs instead)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -38,13 +39,3 @@ class BlockRotateFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_rot = kernel.block_grad_rotation(x2, g2, rotation.shape[0], rotation.shape[-1]).to(rotation.dtype)
         return grad_x, grad_rot
-
-
-def block_rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """Differentiable Triton block rotation (shapes validated by :func:`peftplug_kernels.ops.block_rotate`).
-
-    Args:
-        x: ``[..., n_blocks * b]``.
-        rotation: ``[n_blocks, b, b]`` or ``[1, b, b]``.
-    """
-    return BlockRotateFunction.apply(x, rotation)

@@ -27,15 +27,3 @@ class CayleyNeumannFunction(torch.autograd.Function):
             grad_q = kernel.cayley_neumann_backward(q_c, grad_r.float().contiguous(), ctx.terms, ctx.form)
             grad_q = grad_q.to(q_c.dtype)
         return grad_q, None, None, None
-
-
-def cayley_neumann(q_vec: torch.Tensor, block_size: int, terms: int, form: str) -> torch.Tensor:
-    """Differentiable Triton Cayley–Neumann map (arguments validated by :func:`peftplug_kernels.ops.cayley_neumann`).
-
-    Args:
-        q_vec: ``[n_blocks, b(b-1)/2]``.
-        block_size: b.
-        terms: Series length n.
-        form: ``"cayley_neumann"`` or ``"peft_cn"``.
-    """
-    return CayleyNeumannFunction.apply(q_vec, block_size, terms, form)

@@ -41,11 +41,19 @@ def block_size_from_triangle(n_elements: int) -> int:
     return b
 
 
+def _indices(block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # Under torch.compile: built inline (dynamo cannot trace the cache; Inductor folds the constant indices).
+    if torch.compiler.is_compiling():
+        rows, cols = torch.triu_indices(block_size, block_size, 1, device=device)
+        return rows, cols
+    return _triu_indices(block_size, device)
+
+
 @functools.lru_cache(maxsize=64)
 def _triu_indices(block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    # Cached: every forward of every adapted layer unpacks its triangles, and building the index tensors is a
-    # measurable share of a small layer's step on CPU. Built outside inference mode whatever the caller's mode:
-    # inference tensors in the cache could never be saved for backward by a later training forward.
+    # Cached in eager mode: every forward of every adapted layer unpacks its triangles, and building the index
+    # tensors is a measurable share of a small layer's step on CPU. Built outside inference mode whatever the
+    # caller's mode: inference tensors in the cache could never be saved for backward by a later training forward.
     with torch.inference_mode(False):
         rows, cols = torch.triu_indices(block_size, block_size, 1, device=device)
     return rows, cols
@@ -66,7 +74,7 @@ def skew_from_triangle(q_vec: torch.Tensor, block_size: int) -> torch.Tensor:
             f"triangle vector has {q_vec.shape[-1]} entries; block size {block_size} needs "
             f"{triangle_size(block_size)}"
         )
-    rows, cols = _triu_indices(block_size, q_vec.device)
+    rows, cols = _indices(block_size, q_vec.device)
     upper = q_vec.new_zeros(*q_vec.shape[:-1], block_size, block_size)
     upper[..., rows, cols] = q_vec
     return upper - upper.transpose(-1, -2)
@@ -74,7 +82,7 @@ def skew_from_triangle(q_vec: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def triangle_from_skew(q: torch.Tensor) -> torch.Tensor:
     """Packs skew-symmetric matrices ``[..., b, b]`` into their strict upper triangles ``[..., b(b-1)/2]``."""
-    rows, cols = _triu_indices(q.shape[-1], q.device)
+    rows, cols = _indices(q.shape[-1], q.device)
     return q[..., rows, cols]
 
 

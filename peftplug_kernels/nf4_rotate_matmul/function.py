@@ -44,16 +44,3 @@ class NF4RotateMatmulFunction(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[4]:
             grad_bias = g2.float().sum(0).to(ctx.bias_dtype)
         return grad_x, grad_rot, None, None, grad_bias
-
-
-def nf4_rotate_matmul(x, rotation, weight, quant_state, bias=None):
-    """Differentiable fused rotate + 4-bit matmul (arguments validated by :func:`peftplug_kernels.ops.nf4_rotate_matmul`).
-
-    Args:
-        x: ``[..., in]``.
-        rotation: ``[in / b, b, b]`` or ``[1, b, b]``.
-        weight: Packed 4-bit weight.
-        quant_state: Its ``QuantState``.
-        bias: Optional ``[out]``.
-    """
-    return NF4RotateMatmulFunction.apply(x, rotation, weight, quant_state, bias)

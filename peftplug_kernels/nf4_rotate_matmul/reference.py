@@ -13,7 +13,7 @@ from peftplug_kernels.nf4_dequantize.reference import dequantize_4bit
 
 
 def nf4_rotate_matmul(x: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, quant_state,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, rotate=block_rotate, dequantize=dequantize_4bit) -> torch.Tensor:
     """``y = block_rotate(x, R) @ deq(W)ᵀ + bias`` in ``x``'s dtype (what rotate + ``bnb.matmul_4bit`` computes).
 
     Args:
@@ -22,7 +22,10 @@ def nf4_rotate_matmul(x: torch.Tensor, rotation: torch.Tensor, weight: torch.Ten
         weight: Packed 4-bit weight of an ``out × in`` matrix.
         quant_state: Its ``QuantState``.
         bias: Optional ``[out]`` bias.
+        rotate: ``rotate(x, rotation)``; the torch reference by default (``peftplug_kernels.ops`` passes its
+            dispatching op when ``auto`` leaves this layer unfused).
+        dequantize: ``dequantize(weight, quant_state, dtype)``; the torch reference by default.
     """
-    rotated = block_rotate(x, rotation)
-    w = dequantize_4bit(weight, quant_state, dtype=x.dtype)
+    rotated = rotate(x, rotation)
+    w = dequantize(weight, quant_state, x.dtype)
     return F.linear(rotated, w, None if bias is None else bias.to(x.dtype))
