@@ -34,6 +34,7 @@ from peftplug.loading import (
 )
 from peftplug.quantized_layout import keep_exact_4bit_layout
 from peftplug.resume import RNG_KEY, restore_rng, rng_state
+from peftplug.schedules import build_lr_scheduler
 from peftplug.sharding import (
     FSDP_MIXED_PRECISIONS,
     checkpoint_module_state,
@@ -468,7 +469,9 @@ class PeftModule(L.LightningModule):
             optimizer.set_total_steps(int(self.trainer.estimated_stepping_batches))
         if self.lr_scheduler_factory is None:
             return optimizer
-        scheduler = self.lr_scheduler_factory(optimizer)
+        # Lengths left null follow the run (trainer.estimated_stepping_batches); one that would run out is refused.
+        scheduler = build_lr_scheduler(self.lr_scheduler_factory, optimizer, self._trainer,
+                                       self.hparams.lr_scheduler_interval, not self.automatic_optimization)
         config = {"scheduler": scheduler, "interval": self.hparams.lr_scheduler_interval}
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             config["monitor"] = "val_loss"

@@ -1,0 +1,216 @@
+"""LR schedules that follow the run: lengths sized from the trainer, and a refusal before training when a fixed
+length would run out.
+
+A recipe that fixes a schedule's length (``OneCycleLR``'s ``total_steps: 48``) breaks as soon as the data grows:
+``OneCycleLR`` raises at step 49, after training, and a cosine or polynomial decay that ends early trains the rest
+of the run at a learning rate climbing back up or stuck at 0. :func:`build_lr_scheduler` (called by
+``PeftModule.configure_optimizers``) therefore
+
+- fills a length left ``null`` (or out) with the run's length: ``trainer.estimated_stepping_batches`` optimizer
+  steps (``lr_scheduler_interval: step``, and always for zeroth-order training, which steps the schedule once a
+  step), or the run's epochs (``interval: epoch``); torch's ``CosineAnnealingLR`` requires ``T_max``, so recipes
+  use :class:`CosineAnnealingLR` here, which takes ``null``;
+- refuses a ``OneCycleLR`` whose ``max_lr`` differs from the optimizer's ``lr`` (OneCycleLR overrides it: a new
+  optimizer's lr given on the command line would be ignored), naming the flag that sets it;
+- refuses, in one :class:`~peftplug.errors.ConfigError` line naming both numbers, a fixed length shorter than the
+  run when the schedule cannot go on past it (table :data:`OUTRUN`) — before the first training step;
+- turns ``OneCycleLR``'s momentum cycling off for an optimizer that has no momentum to cycle (the zeroth-order
+  ones, plain SGD): torch refuses that combination although the learning-rate schedule is all that matters there.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from peftplug.errors import ConfigError
+
+# Each length-bearing torch scheduler's length argument (and the attribute the built scheduler keeps it in).
+LENGTH_ARGUMENTS: dict[type, str] = {
+    torch.optim.lr_scheduler.OneCycleLR: "total_steps",  # and OneCycleLR's max_lr must be the optimizer's lr
+    torch.optim.lr_scheduler.CosineAnnealingLR: "T_max",
+    torch.optim.lr_scheduler.PolynomialLR: "total_iters",
+    torch.optim.lr_scheduler.LinearLR: "total_iters",
+    torch.optim.lr_scheduler.ConstantLR: "total_iters",
+}
+
+
+class CosineAnnealingLR(torch.optim.lr_scheduler.CosineAnnealingLR):
+    """torch's ``CosineAnnealingLR`` with ``T_max`` optional: ``null`` (the default) is the run's length, filled in by
+    :func:`build_lr_scheduler` (torch's own requires the number, so a recipe would have to fix it).
+
+    Args:
+        optimizer: The optimizer.
+        T_max: Steps (or epochs) of the half cosine; ``None`` = the run's length.
+        eta_min: The last learning rate.
+        last_epoch: torch's resume index.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, T_max: int | None = None, eta_min: float = 0.0,
+                 last_epoch: int = -1) -> None:
+        if T_max is None:
+            raise ConfigError("lr_scheduler.init_args.T_max: null means the run's length, which only a training run "
+                              "(PeftModule under a Trainer) knows; give a number")
+        super().__init__(optimizer, T_max=T_max, eta_min=eta_min, last_epoch=last_epoch)
+
+
+def _linear_ends_at_zero(scheduler: Any) -> bool:
+    return float(scheduler.end_factor) == 0.0
+
+
+# Schedulers that cannot continue past their length, and why: shorter than the run is refused. LinearLR only when it
+# decays to 0 (a shorter one is a warm-up or a decay to a floor, both common), ConstantLR never (it ends on purpose).
+OUTRUN: dict[type, tuple[str, Callable[[Any], bool]]] = {
+    torch.optim.lr_scheduler.OneCycleLR: ("it raises at the step after its last", lambda s: True),
+    torch.optim.lr_scheduler.CosineAnnealingLR: ("its learning rate would climb back up after it", lambda s: True),
+    torch.optim.lr_scheduler.PolynomialLR: ("its learning rate stays at 0 after it", lambda s: float(s.power) > 0),
+    torch.optim.lr_scheduler.LinearLR: ("its learning rate stays at 0 after it (end_factor 0)", _linear_ends_at_zero),
+}
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """How long the scheduler will be stepped in this run.
+
+    Args:
+        length: Scheduler steps (optimizer steps, or epochs for ``interval: epoch``); ``inf`` when the run sets no
+            limit.
+        unit: ``"steps"`` or ``"epochs"``.
+        why: Where the number comes from, for messages (``"trainer.max_epochs 1 × 125 steps per epoch"``).
+    """
+
+    length: float
+    unit: str
+    why: str
+
+
+def run_length(trainer: Any, interval: str = "step", zeroth_order: bool = False) -> RunLength:
+    """The number of times this run steps its LR scheduler, from Lightning's own estimate of the run.
+
+    Args:
+        trainer: The Lightning ``Trainer`` the module is attached to.
+        interval: ``model.lr_scheduler_interval`` (``step`` or ``epoch``).
+        zeroth_order: Zeroth-order training steps the scheduler once per optimizer step whatever the interval.
+    """
+    steps = trainer.estimated_stepping_batches  # loads the train dataloader if it is not yet (Lightning's)
+    batches = trainer.num_training_batches
+    per_epoch = math.ceil(batches / trainer.accumulate_grad_batches) if math.isfinite(batches) else math.inf
+    limit = "trainer.max_steps" if trainer.max_steps != -1 and steps == trainer.max_steps else None
+    if interval == "epoch" and not zeroth_order:
+        if not math.isfinite(steps):
+            return RunLength(math.inf, "epochs", "trainer.max_epochs -1 and no trainer.max_steps")
+        epochs = math.ceil(steps / per_epoch) if math.isfinite(per_epoch) and per_epoch else trainer.max_epochs
+        return RunLength(epochs, "epochs", f"{limit} {trainer.max_steps} at {per_epoch} steps per epoch" if limit
+                         else f"trainer.max_epochs {trainer.max_epochs}")
+    if not math.isfinite(steps):
+        return RunLength(math.inf, "steps", "trainer.max_epochs -1 and no trainer.max_steps")
+    why = (f"{limit} {trainer.max_steps}" if limit else
+           f"trainer.max_epochs {trainer.max_epochs} × {per_epoch} steps per epoch: {batches} batches of the data"
+           + (f", accumulating {trainer.accumulate_grad_batches}" if trainer.accumulate_grad_batches > 1 else ""))
+    return RunLength(int(steps), "steps", why)
+
+
+def _factory_class(factory: Callable[..., Any]) -> tuple[type | None, dict[str, Any]]:
+    """The scheduler class and keyword arguments of a factory, when it is a ``functools.partial`` of one (what
+    jsonargparse builds from a recipe: ``partial(instantiator, cls, **init_args)``, flattened by functools into
+    ``partial(call, instantiator, cls, **init_args)``), else ``(None, {})``."""
+    if not isinstance(factory, functools.partial):
+        return None, {}
+    cls = factory.func if inspect.isclass(factory.func) else next((a for a in factory.args if inspect.isclass(a)), None)
+    return (cls, dict(factory.keywords)) if cls is not None else (None, {})
+
+
+def _has_momentum(optimizer: torch.optim.Optimizer) -> bool:
+    return "momentum" in optimizer.defaults or "betas" in optimizer.defaults
+
+
+def _fill_in(cls: type, kwargs: dict[str, Any], optimizer: torch.optim.Optimizer, run: RunLength,
+             field: str) -> dict[str, Any]:
+    """The arguments :func:`build_lr_scheduler` adds to a recipe's scheduler (lengths left null, OneCycleLR's
+    ``max_lr`` and ``cycle_momentum``)."""
+    fill: dict[str, Any] = {}
+    name = next((arg for base, arg in LENGTH_ARGUMENTS.items() if issubclass(cls, base)), None)
+    one_cycle = issubclass(cls, torch.optim.lr_scheduler.OneCycleLR)
+    if name is not None and name in kwargs and kwargs[name] is None and not (one_cycle and kwargs.get("epochs")):
+        if not math.isfinite(run.length):
+            raise ConfigError(f"{field}.init_args.{name}: null means the run's length, but this run sets none "
+                              f"({run.why}); set trainer.max_steps or trainer.max_epochs, or give {name}")
+        fill[name] = int(run.length)
+    if one_cycle:
+        _check_peak(kwargs.get("max_lr"), optimizer, field)
+        if kwargs.get("cycle_momentum", True) and not _has_momentum(optimizer):
+            fill["cycle_momentum"] = False  # torch refuses it; the LR cycle is unaffected
+    return fill
+
+
+def _check_peak(max_lr: Any, optimizer: torch.optim.Optimizer, field: str) -> None:
+    """Refuses a ``OneCycleLR`` peak that differs from the optimizer's ``lr``: OneCycleLR sets the learning rate
+    itself, so a changed ``model.optimizer.init_args.lr`` (a new optimizer, a sweep) would be silently ignored."""
+    rates = {group["lr"] for group in optimizer.param_groups}
+    if isinstance(max_lr, (int, float)) and len(rates) == 1 and not math.isclose(max_lr, lr := rates.pop()):
+        raise ConfigError(f"{field}.init_args.max_lr: {max_lr:g} differs from the optimizer's lr {lr:g}, which "
+                          f"OneCycleLR would ignore (it sets the lr itself, peaking at max_lr); set "
+                          f"--{field}.init_args.max_lr {lr:g}, or drop the schedule with --{field} null")
+
+
+def check_length(scheduler: Any, run: RunLength, field: str = "model.lr_scheduler") -> None:
+    """Refuses a scheduler that would run out before the run ends (see :data:`OUTRUN`).
+
+    Args:
+        scheduler: The built scheduler.
+        run: The run's length (:func:`run_length`).
+        field: The config field of the scheduler, for the message.
+
+    Raises:
+        ConfigError: Naming the scheduler's length and the run's, and the two ways out.
+    """
+    base = next((b for b in OUTRUN if isinstance(scheduler, b)), None)
+    if base is None:
+        return
+    why, applies = OUTRUN[base]
+    name = LENGTH_ARGUMENTS[base]
+    length = getattr(scheduler, name, None)
+    if length is None or not applies(scheduler) or length >= run.length:
+        return
+    limit = "max_epochs" if run.unit == "epochs" else "max_steps"
+    raise ConfigError(
+        f"{field}.init_args.{name}: {type(scheduler).__name__} lasts {length} {run.unit} but this run takes "
+        f"{run.length} ({run.why}); {why}. Set {name} to null to size it from the run, or "
+        f"--trainer.{limit} {length}")
+
+
+def build_lr_scheduler(factory: Callable[..., Any], optimizer: torch.optim.Optimizer, trainer: Any,
+                       interval: str = "step", zeroth_order: bool = False,
+                       field: str = "model.lr_scheduler") -> Any:
+    """Builds the LR scheduler of a run, sized from the run and checked against it.
+
+    Args:
+        factory: Builds the scheduler from the optimizer (a recipe's ``lr_scheduler``, or any callable).
+        optimizer: The run's optimizer.
+        trainer: The attached Lightning ``Trainer``, or ``None`` (then nothing is sized or checked).
+        interval: ``step`` or ``epoch``.
+        zeroth_order: Whether training is zeroth-order (the scheduler then steps once per step).
+        field: The config field of the scheduler, for messages.
+
+    Returns:
+        The scheduler.
+    """
+    if trainer is None:
+        return factory(optimizer)
+    cls, kwargs = _factory_class(factory)
+    needs_run = cls is not None and (issubclass(cls, tuple(LENGTH_ARGUMENTS)) or issubclass(cls, tuple(OUTRUN)))
+    run = run_length(trainer, interval, zeroth_order) if cls is None or needs_run else None
+    fill = _fill_in(cls, kwargs, optimizer, run, field) if cls is not None and run is not None else {}
+    scheduler = factory(optimizer, **fill)
+    if run is not None:
+        check_length(scheduler, run, field)
+    return scheduler
+
+
+__all__ = ["LENGTH_ARGUMENTS", "OUTRUN", "CosineAnnealingLR", "RunLength", "build_lr_scheduler", "check_length", "run_length"]
