@@ -2,7 +2,8 @@
 
 This module stays light: it imports neither Lightning nor any method package. Importing it installs the
 load hint (``peftplug.registry.install_load_hint``) so that loading an adapter whose plugin package was not
-imported says which package to import.
+imported says which package to import. ``peftplug.load_adapter`` (:func:`peftplug.adapter_loading.load_adapter`)
+imports that package itself; it is imported on first use, so ``import peftplug`` stays light.
 """
 
 __version__ = "0.1.0"
@@ -16,3 +17,12 @@ _hide_unused_kernel_warning()
 from peftplug.registry import install_load_hint as _install_load_hint
 
 _install_load_hint()
+
+
+def __getattr__(name: str):
+    # PEP 562: the public loader is imported on first use (it pulls in torch and PEFT's model classes).
+    if name == "load_adapter":
+        from peftplug.adapter_loading import load_adapter
+
+        return load_adapter
+    raise AttributeError(f"module 'peftplug' has no attribute {name!r}")

@@ -13,6 +13,7 @@ refused in one line, untouched.
 from __future__ import annotations
 
 import argparse
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -136,9 +137,14 @@ def export_main(argv: Sequence[str]) -> int:
     from peftplug.checkpoints import load_checkpoint_module
 
     module = load_checkpoint_module(args.ckpt_path, map_location="cpu")
-    if rank is not None:
-        print(f"wrote LoRA adapter (rank {rank}) to {export_as_lora(module, args.output, rank)}")
-        return 0
-    path = module.export(args.output, merge=args.merge, overwrite=args.overwrite)
+    with warnings.catch_warnings():
+        # The adapter records the base model by a name that resolves elsewhere (peftplug.loading.recorded_model_name),
+        # not by a local folder, so PEFT's check whether the vocabulary was resized cannot read the base's config
+        # offline and warns that it assumes it was not. peftplug fit never resizes it: the assumption is right.
+        warnings.filterwarnings("ignore", message="Could not find a config file in .* vocabulary was not modified")
+        if rank is not None:
+            print(f"wrote LoRA adapter (rank {rank}) to {export_as_lora(module, args.output, rank)}")
+            return 0
+        path = module.export(args.output, merge=args.merge, overwrite=args.overwrite)
     print(f"wrote {'merged model' if args.merge else 'adapter'} to {path}")
     return 0

