@@ -2,8 +2,10 @@
 (``Linear8bitLt``) bases.
 
 Forward: rotate the input block-wise (the adapter stays fp32/bf16), then call the quantized layer unchanged. On
-CUDA with Triton, a single active adapter on a 4-bit base runs the fused ``peftplug_kernels.ops.nf4_rotate_matmul``
-(rotation in the GEMM prologue, 4-bit dequantized on the fly) instead.
+CUDA with Triton, a single active adapter on a 4-bit base can run the fused ``peftplug_kernels.ops.nf4_rotate_matmul``
+(rotation in the GEMM prologue, 4-bit dequantized on the fly) instead: always with ``kernel_impl="triton"``, and
+under ``"auto"`` only up to the token count ``peftplug_kernels.dispatch_table`` gives for the device (0 on every
+device measured so far: the fused kernel was slower than rotate + bitsandbytes at every size on an H200).
 
 Merge into a quantized base: dequantize -> ``W Rᵀ`` (fp32) -> requantize with the same quant type, blocksize,
 double-quant setting and storage dtype; unmerge likewise with the exact inverse. Requantization moves the
@@ -32,9 +34,10 @@ from peftplug.quantized_layout import (
     keep_exact_4bit_layout,
     repacked_message,
 )
-from peftplug_kernels import ops
+from peftplug_kernels import dispatch_table, ops
 
 from .config import OFTv2Config
+from .dispatch import FUSE_ALWAYS, KernelPlan, choose_impl
 from .layer import Linear
 
 
@@ -78,12 +81,6 @@ def dequantize_4bit_weight(base: nn.Module) -> torch.Tensor:
     return _bnb().functional.dequantize_4bit(weight.data, weight.quant_state).float()
 
 
-# Token count (batch × sequence) above which a 4-bit layer leaves the fused rotate + dequant-GEMM kernel for
-# rotate (Triton) -> bitsandbytes' dequantize + cuBLAS: the fused kernel dequantizes each weight tile once per
-# token tile, so its advantage (no x R and no deq(W) round trip through memory) shrinks as tokens grow, while
-# dequantize-once + cuBLAS amortises. Decoding and small batches stay fused. An estimate until measured on a GPU:
-# benchmarks/gpu/bench.py times both paths over a token sweep; set this module attribute to tune it.
-FUSED_NF4_MAX_TOKENS = 1024
 # Block scales tried by the "mse" requantization, as fractions of the block's absmax (1.0 = bitsandbytes' own).
 MSE_SCALE_GRID = tuple(0.70 + 0.025 * i for i in range(13))
 REQUANTIZATION_MODES = ("auto", "mse", "absmax")
@@ -298,21 +295,38 @@ class Linear4bit(_QuantizedOFTv2):
     def _set_base_weight(self, weight: torch.Tensor) -> None:
         requantize_4bit_weight(self.get_base_layer(), weight, mode=self.requantization)
 
+    def _plan_kernels(self, adapter_name: str) -> KernelPlan:
+        """The linear layer's plan plus up to how many tokens this adapter runs the fused 4-bit kernel.
+
+        Args:
+            adapter_name: Name of the adapter.
+        """
+        plan = super()._plan_kernels(adapter_name)
+        impl = plan.settings.impl
+        weight = self.get_base_layer().weight
+        state = getattr(weight, "quant_state", None)
+        if impl == "torch" or state is None:
+            return plan
+        if ops.nf4_kernel_unfit(self.oftv2_block_size[adapter_name], tuple(state.shape)):
+            return plan  # e.g. b > 128: the rotation kernel, then bitsandbytes' own matmul, even when forced
+        if impl == "triton":
+            return plan._replace(fused_max_tokens=FUSE_ALWAYS)
+        if choose_impl(impl, "nf4_rotate_matmul", weight) != "triton":
+            return plan
+        return plan._replace(fused_max_tokens=dispatch_table.fused_nf4_max_tokens(weight.device))
+
     def _fused_adapter(self, x: torch.Tensor) -> str | None:
         """The adapter to run through the fused rotate + 4-bit matmul kernel, or ``None`` for the unfused path."""
         active = [a for a in self.active_adapters if a in self.oftv2_Q]
         if len(active) != 1:
             return None
-        impl = self.oftv2_settings[active[0]].impl
+        max_tokens = self.kernel_plan(active[0]).fused_max_tokens
+        if max_tokens == 0:
+            return None
         base = self.get_base_layer()
-        state = getattr(base.weight, "quant_state", None)
-        if impl == "torch" or state is None or is_repacked(base):
+        if getattr(base.weight, "quant_state", None) is None or is_repacked(base):
             return None
-        if impl == "auto" and x.numel() > FUSED_NF4_MAX_TOKENS * x.shape[-1]:
-            return None
-        if ops.nf4_kernel_unfit(self.oftv2_block_size[active[0]], tuple(state.shape)):
-            return None  # e.g. b > 128: the rotation kernel, then bitsandbytes' own matmul
-        if ops.resolve_impl(impl, x, base.weight, op="nf4_rotate_matmul") != "triton":
+        if max_tokens != FUSE_ALWAYS and x.numel() > max_tokens * x.shape[-1]:
             return None
         return active[0]
 
@@ -324,8 +338,8 @@ class Linear4bit(_QuantizedOFTv2):
         compute = base.compute_dtype or x.dtype
         bias = None if base.bias is None else base.bias.to(compute)
         rotation = self.get_rotation(name, apply_dropout=self.training)
-        y = ops.nf4_rotate_matmul(x.to(compute), rotation, base.weight, base.weight.quant_state, bias,
-                                  impl=self.oftv2_settings[name].impl)
+        # The plan chose the fused kernel: "triton", resolved already (no dispatch in the forward).
+        y = ops.nf4_rotate_matmul(x.to(compute), rotation, base.weight, base.weight.quant_state, bias, impl="triton")
         return y.to(x.dtype)
 
 

@@ -3,8 +3,8 @@
 1. ``block_rotate``: Triton kernel vs the torch reference (einsum), forward and forward + backward.
 2. ``nf4_rotate_matmul``: the fused kernel vs rotate + bitsandbytes ``Linear4bit`` (``bnb.matmul_4bit``) at
    out × in = 4096 × 4096 over a token sweep up to batch × seq = 4096, bf16; forward and forward + backward, with
-   the backward's peak memory. The sweep shows where the fused kernel stops winning (the QOFT layer's
-   ``oftv2.bnb.FUSED_NF4_MAX_TOKENS``).
+   the backward's peak memory. The sweep shows where the fused kernel stops winning (what
+   ``peftplug_kernels.dispatch_table.fused_nf4_max_tokens`` should say for the device).
    ``nf4_dequantize``: the Triton dequantize kernel (the fused backward's) vs bitsandbytes' and the torch reference.
 3. End-to-end training step of a ~1.1B-parameter Llama-shaped model (TinyLlama shape, random weights, NF4 + double
    quant, bf16 compute): QOFT (ours, kernels by ``impl="auto"``) vs PEFT OFT on the same 4-bit base vs QLoRA
@@ -310,7 +310,7 @@ def bench_training(cfg: dict, device: str, dtype, dry_run: bool):
     methods = {
         "QOFT (ours)": lambda m: peft.get_peft_model(m, oftv2.OFTv2Config(
             block_size=32, target_modules=TARGETS, kernel_impl="triton" if dry_run else "auto")),
-        # The layer's "auto" leaves the fused kernel above FUSED_NF4_MAX_TOKENS; this row keeps it at any size.
+        # The layer's "auto" fuses only up to the dispatch table's token count; this row keeps it at any size.
         "QOFT (ours, fused kernel forced)": lambda m: peft.get_peft_model(m, oftv2.OFTv2Config(
             block_size=32, target_modules=TARGETS, kernel_impl="triton")),
         "PEFT OFT (same 4-bit base)": lambda m: peft.get_peft_model(m, peft.OFTConfig(
@@ -352,7 +352,7 @@ def render(results: dict) -> str:
         lines += ["", (f"Fused NF4 forward + backward faster than rotate (triton) + bnb.matmul_4bit up to {crossover} "
                        f"tokens in this sweep" if crossover else
                        "The fused NF4 kernel was not faster than rotate (triton) + bnb.matmul_4bit at any swept token "
-                       "count") + f"; the QOFT layer's `oftv2.bnb.FUSED_NF4_MAX_TOKENS` is {results['fused_max_tokens']}."]
+                       "count") + f"; `auto` fuses up to {results['fused_max_tokens']} tokens here (peftplug_kernels.dispatch_table)."]
     else:
         lines += ["", "bitsandbytes was not installed: no NF4 or training rows (carry its wheel in `.whl/`)."]
     if results["training"]:
@@ -439,7 +439,7 @@ def main(argv=None) -> dict:
         import bitsandbytes
 
         bnb_version = bitsandbytes.__version__
-    from oftv2.bnb import FUSED_NF4_MAX_TOKENS
+    from peftplug_kernels.dispatch_table import fused_nf4_max_tokens
 
     results = {"env": {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "CPU",
                        "torch": torch.__version__, "triton": triton.__version__,
@@ -458,7 +458,7 @@ def main(argv=None) -> dict:
     if not args.skip_bnb:
         results["kernels"] += bench_nf4(cfg, device, dtype, reps) + bench_dequantize(cfg, device, dtype, reps)
         results["fused_crossover"] = fused_crossover(results["kernels"])
-        results["fused_max_tokens"] = FUSED_NF4_MAX_TOKENS
+        results["fused_max_tokens"] = fused_nf4_max_tokens(device)
         save()
         if not args.skip_training:
             for row in bench_training(cfg, device, dtype, args.dry_run):

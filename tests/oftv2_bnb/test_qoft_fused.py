@@ -9,6 +9,7 @@ import torch
 
 import oftv2
 from oftv2 import bnb as qoft
+from peftplug_kernels import dispatch_table
 from peftplug_kernels._triton_available import triton_usable
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -41,6 +42,17 @@ def test_fused_layer_matches_unfused(load_quantized, randomize, device, quant_ty
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_auto_never_fuses_on_a_measured_device(load_quantized, device):
+    # The per-device table says never (the fused kernel was slower at every size on an H200; CPU runs Triton only
+    # in the interpreter): "auto" plans no fused kernel on this device, at any token count.
+    model = peft.get_peft_model(load_quantized(4, "nf4", True), oftv2.OFTv2Config(block_size=16,
+                                                                                   target_modules=["q_proj"]))
+    layer = next(m for m in model.modules() if isinstance(m, qoft.Linear4bit))
+    assert dispatch_table.fused_nf4_max_tokens(device) == 0
+    assert layer.kernel_plan("default").fused_max_tokens == 0
+    assert layer._fused_adapter(torch.randn(1, 1, layer.in_features, device=device)) is None
+
+
 def test_auto_leaves_the_fused_kernel_above_the_token_threshold(load_quantized, device, monkeypatch):
     ok, why = triton_usable("nf4_rotate_matmul", torch.zeros(1, device=device))
     if not ok:
@@ -48,11 +60,14 @@ def test_auto_leaves_the_fused_kernel_above_the_token_threshold(load_quantized, 
     model = peft.get_peft_model(load_quantized(4, "nf4", True), oftv2.OFTv2Config(block_size=16,
                                                                                    target_modules=["q_proj"]))
     layer = next(m for m in model.modules() if isinstance(m, qoft.Linear4bit))
-    # "auto" picks Triton only on CUDA; here the kernels run in the interpreter, so stand in for that one check.
+    # A device whose table entry fuses up to 8 tokens. "auto" picks Triton only on CUDA; here the kernels run in the
+    # interpreter, so stand in for that one check too. The plan is resolved once: refresh it after the change.
     real_resolve = qoft.ops.resolve_impl
     monkeypatch.setattr(qoft.ops, "resolve_impl", lambda impl, *t, **k: real_resolve(
         "triton" if impl == "auto" else impl, *t, **k))
-    monkeypatch.setattr(qoft, "FUSED_NF4_MAX_TOKENS", 8)
+    monkeypatch.setattr(dispatch_table, "fused_nf4_max_tokens", lambda device: 8)
+    assert layer._fused_adapter(torch.randn(1, 1, layer.in_features, device=device)) is None  # not yet refreshed
+    layer.refresh_kernels()
     small = torch.randn(2, 4, layer.in_features, device=device)
     large = torch.randn(3, 3, layer.in_features, device=device)
     assert layer._fused_adapter(small) == "default"
