@@ -1,6 +1,18 @@
-"""Triton kernel: y = (x R) deq(W)ᵀ + bias with the rotation in the GEMM prologue and 4-bit dequant on the fly.
+"""The fused NF4 forward and backward wrappers, and the first, general fused kernel.
 
-Program (t-tile, n-tile). The K loop walks the rotation blocks: load the x tile of block ``blk``
+``rotate_dequant_matmul`` (what ``function.py`` calls) picks, for a layer the W4A16 kernels take
+(:func:`peftplug_kernels.nf4_rotate_matmul.fit.w4a16_unfit`):
+  - up to :data:`FUSED_MAX_TOKENS` tokens, :func:`fused_forward`: one launch of the W4A16 kernel
+    (``w4a16.py``), which rotates the x tile in its prologue and streams the packed weight once;
+  - above, :func:`unfused_forward`: rotate x once, dequantize W once, one cuBLAS matmul. Decoding the weight
+    inside a GEMM's K loop costs once per token tile, which at many tokens outweighs the GEMM itself
+    (docs/kernels.md, "The NF4 forward from its FLOP/byte table").
+Other layers (fp32 activations, quantization blocks straddling rows or narrower than 64) run
+``_rotate_dequant_matmul_kernel`` below: K steps of one rotation block, the x tile rotated per output tile,
+code-table gathers (correct everywhere, slow: 0.46 ms at 16 tokens on an H200).
+:func:`grad_rotated_input` is the backward's ``dX' = dY deq(W)`` on the same rule.
+
+The general kernel: program (t-tile, n-tile). The K loop walks the rotation blocks: load the x tile of block ``blk``
 ([BLOCK_T, b]), rotate it by R_blk in registers, dequantize the matching [b, BLOCK_N] slice of Wᵀ from the
 packed nibbles (code table lookup × absmax, undoing double quantization when nested) and accumulate the product
 in fp32. Neither x R nor deq(W) is ever written to memory. Formats: see ``reference.py``.
@@ -15,7 +27,19 @@ import triton
 import triton.language as tl
 
 from peftplug_kernels._tiles import block_tile, dot_precision, fit_tiles, next_pow2
-from peftplug_kernels.nf4_dequantize.reference import kernel_quant_state, packed_bytes
+from peftplug_kernels.nf4_dequantize.reference import packed_bytes
+from peftplug_kernels.nf4_dequantize.tile import cached_state
+from peftplug_kernels.nf4_rotate_matmul.fit import w4a16_unfit
+from peftplug_kernels.nf4_rotate_matmul.w4a16 import (  # noqa: F401  (re-exported for function.py, benchmarks)
+    FUSED_GRAD_MAX_TOKENS,
+    FUSED_MAX_TOKENS,
+    W4A16Config,
+    forward_config,
+    fused_forward,
+    grad_config,
+    grad_rotated_input,
+    unfused_forward,
+)
 
 
 @triton.jit
@@ -115,7 +139,7 @@ def _multiprocessors(device: torch.device) -> int:
 
 def rotate_dequant_matmul(x2: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, quant_state,
                           bias: torch.Tensor | None) -> torch.Tensor:
-    """Fused forward on a 2-D input.
+    """Forward on a 2-D input by the rule in the module docstring.
 
     Args:
         x2: ``[tokens, in]`` contiguous activations (fp32/fp16/bf16).
@@ -127,13 +151,23 @@ def rotate_dequant_matmul(x2: torch.Tensor, rotation: torch.Tensor, weight: torc
     Returns:
         ``[tokens, out]`` in ``x2``'s dtype.
     """
+    if w4a16_unfit(x2.dtype, tuple(quant_state.shape), quant_state):
+        return general_forward(x2, rotation, weight, quant_state, bias)
+    if x2.shape[0] <= FUSED_MAX_TOKENS:
+        return fused_forward(x2, rotation, weight, quant_state, bias)
+    return unfused_forward(x2, rotation, weight, quant_state, bias)
+
+
+def general_forward(x2: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, quant_state,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """The general fused kernel (any dtype, any 4-bit layout; slow); arguments as :func:`rotate_dequant_matmul`."""
     tokens, k = x2.shape
     n = int(quant_state.shape[0])
     b = rotation.shape[-1]
     y = torch.empty(tokens, n, device=x2.device, dtype=x2.dtype)
     if tokens == 0:
         return y
-    qs = kernel_quant_state(quant_state, x2.device)
+    qs = cached_state(quant_state, x2.device)
     half_dot = (not INTERPRETED) and x2.dtype in (torch.float16, torch.bfloat16)
     bb = block_tile(b)
     if INTERPRETED:
