@@ -181,7 +181,8 @@ def unknown_type_message(peft_type: Any) -> str:
     if package is not None:
         return (
             f"This adapter has peft_type {key!r}, which peftplug's `{package}` package provides: "
-            f"add `import {package}` before loading it."
+            f"add `import {package}` before loading it, or load it with `peftplug.load_adapter(model, path)`, "
+            "which imports what the adapter needs."
         )
     return (
         f"This adapter has peft_type {key!r}, which neither PEFT {peft.__version__} nor peftplug knows "
