@@ -11,7 +11,8 @@ may use what an earlier one wrote (a checkpoint, an exported adapter):
   :data:`TINY_FIT` appended, documented flags a user would add to try a recipe quickly (a tiny model, two steps,
   a few examples); ``chat`` reads :data:`CHAT_INPUT` as typed input. Any other line fails: it is not runnable.
 - ``python`` blocks, with ``exec`` in this process; ``given`` names the variables the surrounding text assumes
-  (``base_model``, ``model``, ``tokenizer``, ``inputs``, ``batch``), which :func:`given` builds tiny.
+  (``base_model``, ``fresh_base_model``, ``model``, ``tokenizer``, ``inputs``, ``batch``), which :func:`given`
+  builds tiny.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def given(name: str):
     from peftplug.loading import load_model
     from peftplug.tiny import char_tokenizer, tiny_model
 
-    if name == "base_model":
+    if name in ("base_model", "fresh_base_model"):
         return load_model("tiny:llama")  # what `--model.model tiny:llama` trained the page's adapters on
     if name == "model":
         return tiny_model("llama", num_hidden_layers=4)  # examples steer layer 2
