@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.common.paths import DOCS
+from benchmarks.gpu import step_report
 from benchmarks.helene.minilm import bench as helene_minilm
 from benchmarks.helene.smollm2 import budget_report as helene_budget
 from benchmarks.helene.smollm2 import cli as helene_smollm2
@@ -38,7 +39,8 @@ RECORD = "a record kept as written (its raw results were lost with runs/); nothi
 #: nothing can render it)].
 PAGES: dict[str, list[tuple[str, Callable[[Path], bool] | str]]] = {
     "oftv2.md": [("oftv2-cpu", lambda d: cpu.report(cpu.RESULTS, d / "oftv2.md")),
-                 ("oftv2-conv", lambda d: conv.report(conv.RESULTS, d / "oftv2.md"))],
+                 ("oftv2-conv", lambda d: conv.report(conv.RESULTS, d / "oftv2.md")),
+                 ("oftv2-gpu", lambda d: step_report.report(step_report.RESULTS, d / "oftv2.md"))],
     "qoft.md": [("qoft-cpu", lambda d: qoft.report(qoft.RESULTS, d / "qoft.md")),
                 ("qoft-gpu", lambda d: gpu.report(gpu.RESULTS, d / "qoft.md"))],
     "llm_sft.md": [("page", lambda d: llm_sft.report(d / "llm_sft.md"))],

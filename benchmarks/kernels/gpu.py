@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common.llama import TARGETS
+from benchmarks.common.llama import TARGETS, quantize_linears_
 from benchmarks.common.pages import read_json, render_results, write_json, write_page, write_section
 from benchmarks.common.paths import DOCS, REPO, results_dir
 
@@ -230,28 +230,6 @@ def fused_crossover(rows: list[dict]) -> int | None:
             break
         crossover = tokens
     return crossover
-
-
-def quantize_linears_(model, dtype, quant_type: str = "nf4", double_quant: bool = True) -> None:
-    """Replaces the decoder's ``nn.Linear`` layers by bitsandbytes ``Linear4bit`` (quantized on their device)."""
-    import bitsandbytes as bnb
-    import torch
-
-    for name, module in list(model.model.layers.named_modules()):
-        if not isinstance(module, torch.nn.Linear) or isinstance(module, bnb.nn.Linear4bit):
-            continue
-        parent = model.model.layers.get_submodule(name.rpartition(".")[0]) if "." in name else model.model.layers
-        device = module.weight.device
-        q = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
-                              compute_dtype=dtype, quant_type=quant_type, compress_statistics=double_quant,
-                              device="meta")
-        q.weight = bnb.nn.Params4bit(module.weight.data.to(dtype), requires_grad=False,
-                                     quant_type=quant_type, compress_statistics=double_quant, module=q)
-        if module.bias is not None:
-            q.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
-        q = q.to(device)
-        q.support_avx512bf16_for_cpu = False
-        setattr(parent, name.rpartition(".")[2], q)
 
 
 def _build_base(cfg: dict, device: str, dtype):
