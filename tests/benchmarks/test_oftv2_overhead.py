@@ -1,0 +1,70 @@
+"""The overhead study (benchmarks/oftv2/overhead*.py) at its tiniest size: per-layer timing and op counts of every
+method, eager and compiled, and the whole-model step ratio, written and rendered into a page that ``--report``
+rebuilds from the result files alone; the op counter against counts worked out by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_kernel_count_of_a_frozen_linear_layer_is_the_hand_count():
+    from benchmarks.oftv2.overhead import build, fwd_bwd
+    from benchmarks.oftv2.overhead_ops import count_ops, top_kernels
+
+    # y = x Wᵀ, loss = sum(y): forward linear (its one mm) + sum; backward: the seed gradient (fill), sum's backward
+    # (an expand: a view), mm for x's gradient; W is frozen, so no second mm. Views and allocations are not kernels.
+    x = torch.randn(4, 32, requires_grad=True)
+    run = fwd_bwd(build("base", 32, 1), x)
+    run()
+    assert dict(top_kernels(run)) == {"aten::linear": 1, "aten::sum": 1, "aten::fill_": 1, "aten::mm": 1}
+    counts = count_ops(run)
+    assert counts["kernels"] == 4 and counts["aten"] > counts["aten_top"] >= counts["kernels"] - 1
+    # LoRA adds its two matmuls forward and their gradients: more kernels per layer, and two parameters' grads.
+    lora = fwd_bwd(build("LoRA r16", 32, 1), x)
+    lora()
+    assert count_ops(lora)["kernels"] > counts["kernels"] + 4
+
+
+def test_quick_run_writes_both_parts_and_the_report_rebuilds_the_page(tmp_path, capsys):
+    from benchmarks.oftv2 import overhead, overhead_report
+
+    out, page = tmp_path / "results", tmp_path / "oftv2_overhead.md"
+    assert overhead.main(["--quick", "--label", "baseline", "--out-dir", str(out), "--page", str(page)]) == 0
+    layers = json.loads((out / "baseline_layers.json").read_text())
+    smollm2 = json.loads((out / "baseline_smollm2.json").read_text())
+    summary = layers["widths"]["32"]["summary"]
+    assert set(summary) == {"eager", "compiled"} and all(set(s) == set(overhead.METHODS) for s in summary.values())
+    for mode in ("eager", "compiled"):
+        rows = summary[mode]
+        assert rows["base"]["added_ops_per_layer"]["kernels"] == 0
+        # Every adapter adds kernels to a layer, in both modes; compiled, the graph has no break.
+        assert all(rows[m]["added_ops_per_layer"]["kernels"] > 0 for m in overhead.METHODS[1:])
+        assert all(rec["samples_us"] and min(rec["samples_us"]) > 0 for rec in layers["widths"]["32"]["raw"][mode].values())
+    assert all(r["dynamo"]["graph_breaks"] == 0 for r in layers["widths"]["32"]["raw"]["compiled"].values())
+    assert set(smollm2["timed"]) == {"OFTv2 b32 eager", "LoRA r16 eager", "OFTv2 b32 compiled", "LoRA r16 compiled"}
+    assert smollm2["timed"]["OFTv2 b32 compiled"]["dynamo"]["graphs"] >= 1
+    text = page.read_text()
+    assert "| eager | OFTv2 b32 |" in text and "| SmolLM2 step, compiled |" in text and "## Run `baseline`" in text
+    assert text.count("| not met |") + text.count("| met |") == len(overhead_report.ratios(overhead_report.load(out)["baseline"]))
+    # A second label joins the first as another column; --report renders the same page from the files alone.
+    (out / "final_layers.json").write_text((out / "baseline_layers.json").read_text())
+    overhead.main(["--report", "--out-dir", str(out), "--page", str(page)])
+    text = page.read_text()
+    assert "| `baseline` | `final` |" in text and text.index("## Run `baseline`") < text.index("## Run `final`")
+    page.unlink()
+    overhead.main(["--report", "--out-dir", str(out), "--page", str(page)])
+    assert page.read_text() == text
+    with pytest.raises(SystemExit, match="no result files"):
+        overhead.main(["--report", "--out-dir", str(tmp_path / "none"), "--page", str(page)])
