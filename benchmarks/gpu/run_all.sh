@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: the training-step benchmark (issue 40's targets), kernel + QOFT tests on CUDA,
 # the NF4 kernel sweep and the kernel micro-benchmarks, each under its own time limit.
-#   bash benchmarks/gpu/run_all.sh            # on a CUDA machine (≈ 8 min on one H200; hard cap 8.5 min)
+#   PEFTPLUG_COMMIT=<hash> bash benchmarks/gpu/run_all.sh   # on a CUDA machine (≈ 8 min on one H200; cap 8.5 min)
 #   bash benchmarks/gpu/run_all.sh --dry-run  # same code paths at tiny sizes on CPU (Triton interpreter)
 # Everything is written under $OUT when set (else benchmarks/gpu/out): gpu_step.{json,md}, kernel_tests.txt,
 # gpu_results.{json,md}, run_all.log. Afterwards, locally: python -m benchmarks.gpu.step --merge-docs <gpu_step.json>
@@ -49,13 +49,16 @@ fi
 # keeps what it measured.
 #   1. training-step benchmark (issue 40's table and targets)   220 s  (its --budget-s 190 skips rows that won't fit)
 #   2. kernel + QOFT tests on CUDA                                90 s
-#   3. NF4 kernel sweep (H41-kernels)                            150 s  RESERVED: its line goes below, bounded so
+#   3. NF4 kernel sweep (H41-kernels)                            150 s  RESERVED: its line goes at "3." below
 #   4. kernel micro-benchmarks (benchmarks.kernels.gpu)           40 s
 #   (+ ~10 s for the checks above)
+# The GPU machine gets the working tree without .git: PEFTPLUG_COMMIT=$(git rev-parse --short HEAD) names the code.
+COMMIT_ARG=()
+if [ -n "${PEFTPLUG_COMMIT:-}" ]; then COMMIT_ARG=(--commit "$PEFTPLUG_COMMIT"); fi
 status=0
 bench=0
 if [ "$DRY" = 0 ]; then
-  timeout -k 5 220 "$PY" -m benchmarks.gpu.step --out "$OUT_DIR" --budget-s 190 2>&1 | tee -a "$LOG"
+  timeout -k 5 220 "$PY" -m benchmarks.gpu.step --out "$OUT_DIR" --budget-s 190 "${COMMIT_ARG[@]}" 2>&1 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || bench=1
   # Kernel and QOFT tests on CUDA (compiled kernels, not the interpreter). Bounded: the benchmarks must still run.
   PEFTPLUG_KERNELS_ON_GPU=1 timeout -k 5 90 "$PY" -m pytest -q -p no:cacheprovider tests/kernels tests/oftv2_bnb \

@@ -277,12 +277,13 @@ def _row_line(entry: dict) -> str:
             f"busy {entry['gpu_busy_fraction'] or float('nan'):.2f}, {entry['seconds']:.0f} s")
 
 
-def environment(device: str, dry_run: bool) -> dict:
+def environment(device: str, dry_run: bool, commit: str | None = None) -> dict:
     """What the result file says about where it ran.
 
     Args:
         device: ``cuda`` or ``cpu``.
         dry_run: Whether this is the CPU dry run.
+        commit: The code's commit when this copy has no git history (the GPU machine gets a bare working tree).
     """
     import peft
     import torch
@@ -301,7 +302,7 @@ def environment(device: str, dry_run: bool) -> dict:
     except ImportError:
         triton_version = None
     return {"device": torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run)",
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": git_commit(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit or git_commit(),
             "torch": torch.__version__, "triton": triton_version, "bitsandbytes": bnb, "peft": peft.__version__,
             "transformers": transformers.__version__, "dry_run": dry_run}
 
@@ -322,6 +323,7 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per row (GPU: 6)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first, compile included (GPU: 3)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step (GPU-busy share)")
+    parser.add_argument("--commit", default=None, help="the code's commit, where the copy has no .git")
     parser.add_argument("--merge-docs", type=Path, default=None, metavar="GPU_STEP_JSON",
                         help="commit a run's gpu_step.json and render docs/benchmarks/oftv2.md's GPU section")
     parser.add_argument("--report", action="store_true", help="render the GPU section from the committed runs")
@@ -353,7 +355,7 @@ def main(argv=None) -> dict | None:
     args.out.mkdir(parents=True, exist_ok=True)
     budget = args.budget_s if args.budget_s is not None else (math.inf if args.dry_run else 200.0)
     record = run(settings, device, budget, args.out,
-                 environment(device, args.dry_run), skip_nf4)
+                 environment(device, args.dry_run, args.commit), skip_nf4)
     text = step_report.render_run(record)
     write_page(args.out / "gpu_step.md", text)
     print(text)

