@@ -79,15 +79,15 @@ class Row:
 
 
 #: Every row, in the order they run: what issue 40's targets need first (eager OFTv2 vs LoRA at 1.1B, compiled
-#: OFTv2, QOFT vs QLoRA, compiled LoRA — known from the last run, 83.2 ms, so it may go if time runs short), then
-#: the 7B-class widths, then PEFT's OFT.
+#: OFTv2, QOFT vs QLoRA), then the 7B-class widths; last the rows our code does not change (compiled LoRA, 83.2 ms on
+#: the last run, the targets' fallback; PEFT's OFT), which go first when time runs short.
 PLAN = (
     Row("1.1B", "bf16", "LoRA r16", "eager"), Row("1.1B", "bf16", "OFTv2 b32", "eager"),
     Row("1.1B", "bf16", "OFTv2 b32", "compiled"),
     Row("1.1B", "nf4", "LoRA r16", "eager"), Row("1.1B", "nf4", "OFTv2 b32", "eager"),
-    Row("1.1B", "bf16", "LoRA r16", "compiled"),
     Row("7B-class widths", "bf16", "LoRA r16", "eager"), Row("7B-class widths", "bf16", "OFTv2 b32", "eager"),
     Row("7B-class widths", "nf4", "LoRA r16", "eager"), Row("7B-class widths", "nf4", "OFTv2 b32", "eager"),
+    Row("1.1B", "bf16", "LoRA r16", "compiled"),
     Row("1.1B", "bf16", "PEFT OFT b32", "eager"), Row("1.1B", "nf4", "PEFT OFT b32", "eager"),
     Row("7B-class widths", "bf16", "PEFT OFT b32", "eager"), Row("7B-class widths", "nf4", "PEFT OFT b32", "eager"),
 )
@@ -140,7 +140,8 @@ def gpu_profile(step, device: str) -> dict:
     for event in prof.events():
         if event.device_type == DeviceType.CUDA and not event.is_user_annotation:
             busy += event.self_device_time_total
-        elif event.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch"):
+        elif event.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
+                            "cudaGraphLaunch"):
             launches += 1
     return {"gpu_busy_ms": busy / 1e3, "launches": launches}
 
@@ -163,7 +164,8 @@ def measure_row(row: Row, settings: dict, device: str) -> dict:
 
     Returns:
         The row's measurements (``step_ms``, ``min_ms``, ``peak_gib``, ``gpu_busy_ms``, ``gpu_busy_fraction``,
-        ``launches``, ``first_step_s``, ``loss``, ``trainable``; compiled rows also ``dynamo``).
+        ``launches``, ``first_step_s``, ``loss``, ``trainable``, ``allocated_before_gib``; compiled rows also
+        ``dynamo``).
     """
     import peft
     import torch
@@ -172,6 +174,8 @@ def measure_row(row: Row, settings: dict, device: str) -> dict:
 
     dtype = getattr(torch, settings["dtype"])
     shape = settings["shapes"][row.shape]
+    # What earlier rows left allocated (should be ~0): it would count in this row's peak.
+    left_over = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else None
     model = llama_of_shape(shape, device, dtype, max_positions=max(2048, settings["seq"]))
     if row.quant == "nf4":
         quantize_linears_(model, dtype)
@@ -214,7 +218,8 @@ def measure_row(row: Row, settings: dict, device: str) -> dict:
         times.append(time.perf_counter() - start)
     out = {"step_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
-           "first_step_s": first, "loss": float(loss), "trainable": sum(p.numel() for p in params)}
+           "first_step_s": first, "loss": float(loss), "trainable": sum(p.numel() for p in params),
+           "allocated_before_gib": left_over}
     if row.mode == "compiled":
         out["dynamo"] = dynamo_counts()
     prof = gpu_profile(step, device) if settings["profile"] else {"gpu_busy_ms": None, "launches": None}
@@ -242,6 +247,7 @@ def run(settings: dict, device: str, budget_s: float, out: Path, env: dict, skip
         skip_nf4: Why the NF4 rows cannot run (bitsandbytes missing), or ``None``.
     """
     import torch
+    import torch._dynamo
 
     record = {"env": env, "settings": {k: v for k, v in settings.items() if k != "shapes"},
               "shapes": settings["shapes"], "rows": []}
@@ -260,6 +266,7 @@ def run(settings: dict, device: str, budget_s: float, out: Path, env: dict, skip
             except Exception as err:  # noqa: BLE001 - one failing row (OOM, a compile error) must not end the table
                 entry["error"] = f"{type(err).__name__}: {err}"[:400]
             entry["seconds"] = time.perf_counter() - t0
+            torch._dynamo.reset()  # dynamo's caches would keep a compiled row's model (and its memory) alive
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
