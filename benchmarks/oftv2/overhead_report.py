@@ -16,6 +16,8 @@ PAGE = DOCS / "oftv2_overhead.md"
 RESULTS = results_dir("oftv2") / "overhead"
 TITLE = "# OFTv2 framework overhead on CPU: per adapted layer, eager and compiled"
 ADAPTED = ("OFTv2 b32", "LoRA r16", "PEFT OFT b32")
+#: Hand-written reading of the runs, beside the result files (Markdown, starting with its own heading).
+NOTES = "notes.md"
 #: Labels in the order the page shows them (others follow, alphabetically).
 ORDER = ("baseline", "final")
 
@@ -146,11 +148,13 @@ def ratios(run: dict) -> dict[str, float]:
     return out
 
 
-def render(runs: dict[str, dict]) -> str:
+def render(runs: dict[str, dict], notes: str | None = None) -> str:
     """The whole page.
 
     Args:
         runs: ``{label: {part: record}}`` (:func:`load`).
+        notes: What the runs show, written by hand once they are in (``notes.md`` beside the result files); it
+            follows the targets table.
     """
     lines = [TITLE, "", INTRO]
     table = {label: ratios(run) for label, run in runs.items()}
@@ -167,6 +171,8 @@ def render(runs: dict[str, dict]) -> str:
             verdict = "—" if value is None else ("met" if value <= 1.0 else "not met")
             lines.append(f"| {key} | " + " | ".join(cells) + f" | {verdict} |")
         lines.append("")
+    if notes:
+        lines += [notes.strip("\n"), ""]
     for label, run in runs.items():
         lines += [f"## Run `{label}`", ""]
         if "layers" in run:
@@ -186,5 +192,6 @@ def report(results: Path = RESULTS, page: Path = PAGE) -> bool:
     runs = load(results)
     if not runs:
         return False
-    write_page(page, render(runs))
+    notes = Path(results) / NOTES
+    write_page(page, render(runs, notes.read_text(encoding="utf-8") if notes.is_file() else None))
     return True

@@ -53,9 +53,11 @@ def test_quick_run_writes_both_parts_and_the_report_rebuilds_the_page(tmp_path, 
     assert text.count("| not met |") + text.count("| met |") == len(overhead_report.ratios(overhead_report.load(out)["baseline"]))
     # A second label joins the first as another column; --report renders the same page from the files alone.
     (out / "final_layers.json").write_text((out / "baseline_layers.json").read_text())
+    (out / overhead_report.NOTES).write_text("## What the runs show\n\nwritten by hand\n")
     overhead.main(["--report", "--out-dir", str(out), "--page", str(page)])
     text = page.read_text()
     assert "| `baseline` | `final` |" in text and text.index("## Run `baseline`") < text.index("## Run `final`")
+    assert text.index("| OFTv2 / LoRA r16 |") < text.index("written by hand") < text.index("## Run `baseline`")
     page.unlink()
     overhead.main(["--report", "--out-dir", str(out), "--page", str(page)])
     assert page.read_text() == text
