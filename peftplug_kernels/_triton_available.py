@@ -6,28 +6,31 @@ optional (the ``triton`` extra); without it every op runs its pure-torch referen
 
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 from types import ModuleType
 
 import torch
 
+_AVAILABLE: list[bool] = []  # the one cached answer (a list, so the function needs no ``global``)
 
-@functools.lru_cache(maxsize=1)
+
 def triton_available() -> bool:
     """Whether ``import triton`` succeeds (cached: the import is slow and its outcome cannot change)."""
-    try:
-        importlib.import_module("triton")
-        importlib.import_module("triton.language")
-    except Exception:  # noqa: BLE001  (ImportError, or a broken install raising something else at import)
-        return False
-    return True
+    if not _AVAILABLE:
+        try:
+            importlib.import_module("triton")
+            importlib.import_module("triton.language")
+            _AVAILABLE.append(True)
+        except Exception:  # noqa: BLE001  (ImportError, or a broken install raising something else at import)
+            _AVAILABLE.append(False)
+    return _AVAILABLE[0]
 
 
-# A constant to torch.compile: dynamo refuses to trace an lru_cache (the graph broke here), and the outcome of an
-# import cannot change within a process. What ``torch.compiler.assume_constant_result`` sets, without its import
-# of torch._dynamo (which imports Triton: ``import peftplug_kernels.ops`` must not).
+# A constant to torch.compile: dynamo calls it at trace time instead of tracing it (an lru_cache here broke the
+# graph), and the outcome of an import cannot change within a process. This is what
+# ``torch.compiler.assume_constant_result`` sets, without its import of torch._dynamo (which imports Triton, and
+# ``import peftplug_kernels.ops`` must not).
 triton_available._dynamo_marked_constant = True
 
 

@@ -10,6 +10,7 @@ Ops (every tensor argument on one device; the kernel modules are imported on fir
 imports no Triton):
     ``block_rotate(x, rotation, transpose)``                             ``x R`` (``x Rᵀ``) block-wise
     ``block_rotate_grad_rotation(x, grad, rotation_blocks, block_size)`` ``dR_blk = Σ x_blkᵀ dX'_blk`` (fp32)
+    ``block_rotate_backward(x, grad, rotation)``                         ``(dX, dR)`` in one pass (dR fp32)
     ``cayley_neumann(q_vec, block_size, terms, form)``                   triangles → rotation blocks
     ``cayley_neumann_backward(q_vec, grad_r, terms, form)``              dL/dq (fp32)
     ``dequantize_4bit(weight, <flat state>, dtype)``                     deq(W), not differentiable
@@ -27,6 +28,9 @@ from __future__ import annotations
 import torch
 
 from peftplug_kernels._triton_available import load_kernel_module
+from peftplug_kernels.block_rotate.function import BlockRotateFunction
+from peftplug_kernels.cayley_neumann.function import CayleyNeumannFunction
+from peftplug_kernels.nf4_rotate_matmul.function import NF4RotateMatmulFunction
 from peftplug_kernels.quant_state import flatten_quant_state, state_view
 
 # Eager calls skip the dispatcher (docs/kernels.md, "Dispatch": measured cheaper per call).
@@ -60,6 +64,19 @@ def _(x, grad, rotation_blocks, block_size):
     return x.new_empty(rotation_blocks, block_size, block_size, dtype=torch.float32)
 
 
+@torch.library.custom_op("peftplug::block_rotate_backward", mutates_args=())
+def _rotate_backward_op(x: torch.Tensor, grad: torch.Tensor,
+                        rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    kernel = load_kernel_module("block_rotate")
+    grad_x, grad_rot = kernel.block_rotate_backward(_flat(x), _flat(grad), rotation.contiguous())
+    return grad_x.reshape(x.shape), grad_rot
+
+
+@_rotate_backward_op.register_fake
+def _(x, grad, rotation):
+    return x.new_empty(x.shape), x.new_empty(rotation.shape, dtype=torch.float32)
+
+
 def _rotate_setup(ctx, inputs, output):
     x, rotation, transpose = inputs
     ctx.save_for_backward(x, rotation)
@@ -68,6 +85,10 @@ def _rotate_setup(ctx, inputs, output):
 
 def _rotate_backward(ctx, grad):
     x, rotation = ctx.saved_tensors
+    if not ctx.transpose and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+        # The usual case: dX and dR in one pass over x and dX' (one launch).
+        grad_x, grad_m = _rotate_backward_op(x, grad, rotation)
+        return grad_x, grad_m.to(rotation.dtype), None
     grad_x = grad_rot = None
     if ctx.needs_input_grad[0]:
         # y = x M with M = R or Rᵀ, so dX = dY Mᵀ.
@@ -163,9 +184,12 @@ def _nf4_backward(ctx, grad):
         # dX' = dY deq(W): W dequantized once in the gradient's dtype, then one matmul (the 4-bit codes are frozen).
         w = _dequantize_op(weight, *tensors, *ctx.scalars, grad.dtype)
         grad_rotated = grad @ w
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            grad_x, grad_rot = _rotate_backward_op(x, grad_rotated, rotation)
+            grad_rot = grad_rot.to(rotation.dtype)
+        elif ctx.needs_input_grad[0]:
             grad_x = _block_rotate_op(grad_rotated, rotation, True)
-        if ctx.needs_input_grad[1]:
+        else:
             grad_rot = _grad_rotation_op(x, grad_rotated, rotation.shape[0], rotation.shape[-1]).to(rotation.dtype)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[-1]:
         grad_bias = grad.reshape(-1, grad.shape[-1]).float().sum(0).to(ctx.bias_dtype)
@@ -188,8 +212,6 @@ def block_rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
         rotation: ``[n_blocks, b, b]`` or ``[1, b, b]``.
     """
     if _eager():
-        from peftplug_kernels.block_rotate.function import BlockRotateFunction
-
         return BlockRotateFunction.apply(x, rotation)
     return _block_rotate_op(x, rotation, False)
 
@@ -204,8 +226,6 @@ def cayley_neumann(q_vec: torch.Tensor, block_size: int, terms: int, form: str) 
         form: ``"cayley_neumann"`` or ``"peft_cn"``.
     """
     if _eager():
-        from peftplug_kernels.cayley_neumann.function import CayleyNeumannFunction
-
         return CayleyNeumannFunction.apply(q_vec, block_size, terms, form)
     return _cayley_neumann_op(q_vec, block_size, terms, form)
 
@@ -236,7 +256,5 @@ def nf4_rotate_matmul(x: torch.Tensor, rotation: torch.Tensor, weight: torch.Ten
         bias: Optional ``[out]``.
     """
     if _eager():
-        from peftplug_kernels.nf4_rotate_matmul.function import NF4RotateMatmulFunction
-
         return NF4RotateMatmulFunction.apply(x, rotation, weight, quant_state, bias)
     return _nf4_op(x, rotation, weight, *flatten_quant_state(quant_state), bias)

@@ -35,9 +35,10 @@ NF4_TRITON_MAX_BLOCK = 128
 NF4_TRITON_MAX_ELEMENTS = 2**31 - 1
 # Kernel sub-package -> op name in the dispatch table, where they differ.
 _TABLE_OP = {"nf4_dequantize": "dequantize_4bit"}
-# (op, device type) pairs whose forced Triton kernel was found runnable: checked once, not per call. CUDA only:
-# on CPU runnability depends on TRITON_INTERPRET, which tests change at run time.
-_TRITON_OK: set[tuple[str, str]] = set()
+# (op, on CUDA) pairs whose forced Triton kernel was found runnable: checked once, not per call. CUDA only: on CPU
+# runnability depends on TRITON_INTERPRET, which tests change at run time. Keyed by ``is_cuda``, not the device
+# type: ``tensor.device`` builds a device object (~0.7 µs a call on our CPU), ``is_cuda`` does not.
+_TRITON_OK: set[tuple[str, bool]] = set()
 
 
 def _check_impl(impl: str) -> None:
@@ -71,7 +72,7 @@ def resolve_impl(impl: str, *tensors: torch.Tensor, op: str = "block_rotate") ->
     if not ok:
         raise RuntimeError(f"impl='triton' cannot run here: {why}")
     if all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor)):
-        _TRITON_OK.add((op, "cuda"))
+        _TRITON_OK.add((op, True))
     return "triton"
 
 
@@ -79,7 +80,7 @@ def _resolved(impl: str, op: str, *tensors: torch.Tensor) -> str:
     """``resolve_impl`` without its checks for an already-resolved ``impl`` (the per-call hot path)."""
     if impl == "torch":
         return impl
-    if impl == "triton" and (torch.compiler.is_compiling() or (op, tensors[0].device.type) in _TRITON_OK):
+    if impl == "triton" and (torch.compiler.is_compiling() or (op, tensors[0].is_cuda) in _TRITON_OK):
         return impl
     return resolve_impl(impl, *tensors, op=op)
 
@@ -121,9 +122,10 @@ def cayley_neumann(
 
 
 def _check_rotation(width: int, rotation: torch.Tensor) -> None:
-    if rotation.dim() != 3 or rotation.shape[1] != rotation.shape[2]:
-        raise ValueError(f"rotation must be [n_blocks, b, b], got {tuple(rotation.shape)}")
-    n_blocks, b = rotation.shape[0], rotation.shape[1]
+    shape = rotation.shape  # read once: every attribute access costs on the per-call path
+    if len(shape) != 3 or shape[1] != shape[2]:
+        raise ValueError(f"rotation must be [n_blocks, b, b], got {tuple(shape)}")
+    n_blocks, b = shape[0], shape[1]
     if width % b != 0:
         raise ValueError(f"input width {width} is not a multiple of the block size {b}")
     if n_blocks not in (1, width // b):

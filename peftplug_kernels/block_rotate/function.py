@@ -1,7 +1,7 @@
 """Autograd wrapper of the Triton block rotation, with a fused backward.
 
-Forward ``x' = x R`` block-wise. Backward: ``dX = dX' Rᵀ`` (the forward kernel with R's strides swapped) and
-``dR_blk = Σ_tokens x_blkᵀ dX'_blk`` (one reduction kernel); a shared ``[1, b, b]`` block also sums over blocks.
+Forward ``x' = x R`` block-wise. Backward: ``dX = dX' Rᵀ`` and ``dR_blk = Σ_tokens x_blkᵀ dX'_blk`` in one kernel
+(``block_rotate_backward``); a shared ``[1, b, b]`` block also sums over blocks.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ class BlockRotateFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         kernel = load_kernel_module("block_rotate")
         x2, rotation = ctx.saved_tensors
-        g2 = _flat(grad_out)
-        grad_x = grad_rot = None
-        if ctx.needs_input_grad[0]:
-            grad_x = kernel.block_matmul(g2, rotation, transpose=True).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            grad_rot = kernel.block_grad_rotation(x2, g2, rotation.shape[0], rotation.shape[-1]).to(rotation.dtype)
+        # dX and dR in one pass over x and dX' (one launch, not two).
+        grad_x, grad_rot = kernel.block_rotate_backward(x2, _flat(grad_out), rotation, *ctx.needs_input_grad[:2])
+        if grad_x is not None:
+            grad_x = grad_x.reshape(ctx.x_shape)
+        if grad_rot is not None:
+            grad_rot = grad_rot.to(rotation.dtype)
         return grad_x, grad_rot

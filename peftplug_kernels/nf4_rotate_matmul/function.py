@@ -1,7 +1,7 @@
 """Autograd wrapper of the fused rotate + 4-bit matmul.
 
 Forward: the fused Triton kernel. Backward (the 4-bit weight is frozen): ``dX' = dY deq(W)`` through one
-dequantized matmul (the dequantize kernel writes W once in the gradient's dtype, as bitsandbytes' backward does), then the block-rotation backward kernels give ``dX = dX' Rᵀ`` and ``dR = Σ x_blkᵀ dX'_blk``;
+dequantized matmul (the dequantize kernel writes W once in the gradient's dtype, as bitsandbytes' backward does), then the block-rotation backward kernel gives ``dX = dX' Rᵀ`` and ``dR = Σ x_blkᵀ dX'_blk``;
 ``dbias = Σ dY`` when the bias is trainable.
 """
 
@@ -36,10 +36,10 @@ class NF4RotateMatmulFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             w = dequantize.dequantize_4bit(weight, ctx.quant_state, dtype=g2.dtype)
             grad_rotated = (g2 @ w).contiguous()
-            if ctx.needs_input_grad[0]:
-                grad_x = rotate.block_matmul(grad_rotated, rotation, transpose=True).reshape(ctx.x_shape)
-            if ctx.needs_input_grad[1]:
-                grad_rot = rotate.block_grad_rotation(x2, grad_rotated, rotation.shape[0], rotation.shape[-1])
+            grad_x, grad_rot = rotate.block_rotate_backward(x2, grad_rotated, rotation, *ctx.needs_input_grad[:2])
+            if grad_x is not None:
+                grad_x = grad_x.reshape(ctx.x_shape)
+            if grad_rot is not None:
                 grad_rot = grad_rot.to(rotation.dtype)
         if ctx.has_bias and ctx.needs_input_grad[4]:
             grad_bias = g2.float().sum(0).to(ctx.bias_dtype)

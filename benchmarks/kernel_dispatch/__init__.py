@@ -1,0 +1,1 @@
+"""CPU measurements behind the kernel dispatch design: dispatcher overhead per call, batched Cayley–Neumann."""
