@@ -31,8 +31,11 @@ from peftplug_kernels.nf4_dequantize.reference import packed_bytes
 from peftplug_kernels.nf4_dequantize.tile import cached_state
 from peftplug_kernels.nf4_rotate_matmul.fit import w4a16_unfit
 from peftplug_kernels.nf4_rotate_matmul.w4a16 import (  # noqa: F401  (re-exported for function.py, benchmarks)
+    DECODE_CANDIDATES,
     FUSED_GRAD_MAX_TOKENS,
     FUSED_MAX_TOKENS,
+    GEMM_CANDIDATES,
+    GRAD_CANDIDATES,
     W4A16Config,
     forward_config,
     fused_forward,

@@ -150,12 +150,47 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def _split(work: int, programs: int, steps: int, want: int) -> int:
-    """Largest power-of-two split ≤ 16 dividing ``steps`` that keeps ``programs × split`` ≤ ``want``."""
+def _split(programs: int, steps: int, want: int) -> int:
+    """Largest power-of-two split ≤ 16 of ``steps`` loop steps (≥ 2 steps each) with ``programs × split`` ≤ ``want``."""
     split = 1
     while split < 16 and programs * split * 2 <= want and steps % (split * 2) == 0 and steps // (split * 2) >= 2:
         split *= 2
-    return split if work > 0 else 1
+    return split
+
+
+def resolve(cfg: W4A16Config, tokens: int, steps: int, tiles_out: int, programs_wanted: int) -> W4A16Config:
+    """Fills a candidate's automatic fields: ``block_t == 0`` fits the token tile to the tokens (16–64), and
+    ``split == 0`` splits the reduction until the grid has ``programs_wanted`` programs.
+
+    Args:
+        cfg: A configuration, maybe with zeros.
+        tokens: Rows of the activation.
+        steps: Loop steps of the whole reduction (forward: K / block_k; dX': ⌈N / block_n⌉).
+        tiles_out: Output-feature tiles (forward: ⌈N / block_n⌉; dX': K / block_k).
+        programs_wanted: Programs that fill the device.
+    """
+    block_t = cfg.block_t or min(64, max(16, next_pow2(tokens)))
+    split = cfg.split or _split(tiles_out * -(-tokens // block_t), steps, programs_wanted)
+    return cfg._replace(block_t=block_t, split=split)
+
+
+# The candidates the GPU sweep (benchmarks/kernels/nf4_sweep.py) times, ≤ 8 per regime, and that
+# benchmarks/kernels/compile_check.py compiles for sm_90; zeros are filled by :func:`resolve`. DEFAULTS are the
+# wrappers' choice until a sweep says otherwise.
+DECODE_CANDIDATES = (
+    W4A16Config(0, 64, 64, 0, 4, 3), W4A16Config(0, 64, 128, 0, 4, 3), W4A16Config(0, 32, 128, 0, 4, 4),
+    W4A16Config(0, 128, 64, 0, 4, 3), W4A16Config(0, 64, 64, 0, 8, 4), W4A16Config(0, 64, 64, 1, 4, 3),
+    W4A16Config(0, 32, 64, 0, 4, 4), W4A16Config(0, 64, 128, 0, 8, 3),
+)
+GEMM_CANDIDATES = (
+    W4A16Config(128, 128, 64, 1, 8, 3), W4A16Config(128, 64, 64, 1, 4, 3), W4A16Config(64, 128, 64, 1, 4, 3),
+    W4A16Config(128, 128, 64, 1, 4, 4), W4A16Config(256, 128, 64, 1, 8, 3), W4A16Config(128, 256, 64, 1, 8, 3),
+    W4A16Config(64, 64, 64, 1, 4, 4), W4A16Config(128, 128, 128, 1, 8, 2),
+)
+GRAD_CANDIDATES = (
+    W4A16Config(0, 64, 64, 0, 4, 3), W4A16Config(0, 128, 64, 0, 4, 3), W4A16Config(0, 64, 64, 0, 8, 4),
+    W4A16Config(0, 64, 64, 1, 4, 3),
+)
 
 
 def forward_config(tokens: int, n: int, k: int, qblock: int, programs_wanted: int) -> W4A16Config:
@@ -171,11 +206,9 @@ def forward_config(tokens: int, n: int, k: int, qblock: int, programs_wanted: in
     if INTERPRETED:  # the interpreter pays per program and per loop step: the biggest tiles
         return W4A16Config(min(128, max(16, next_pow2(tokens))), min(128, max(16, next_pow2(n))),
                            min(128, qblock), 1, 4, 1)
-    if tokens <= 64:
-        block_t, block_n, block_k = max(16, next_pow2(tokens)), 64, min(128, qblock)
-        tiles = -(-n // block_n) * -(-tokens // block_t)
-        return W4A16Config(block_t, block_n, block_k, _split(tokens, tiles, k // block_k, programs_wanted), 4, 4)
-    return W4A16Config(128, 128, 64, 1, 8, 3)
+    cfg = DECODE_CANDIDATES[0] if tokens <= 64 else GEMM_CANDIDATES[0]
+    cfg = cfg._replace(block_k=min(cfg.block_k, qblock))
+    return resolve(cfg, tokens, k // cfg.block_k, -(-n // cfg.block_n), programs_wanted)
 
 
 def grad_config(tokens: int, n: int, k: int, qblock: int, programs_wanted: int) -> W4A16Config:
@@ -191,9 +224,8 @@ def grad_config(tokens: int, n: int, k: int, qblock: int, programs_wanted: int) 
     if INTERPRETED:
         return W4A16Config(min(128, max(16, next_pow2(tokens))), min(128, max(16, next_pow2(n))),
                            min(128, qblock), 1, 4, 1)
-    block_t, block_k = min(64, max(16, next_pow2(tokens))), min(64, qblock)
-    tiles = -(-k // block_k) * -(-tokens // block_t)
-    return W4A16Config(block_t, 64, block_k, _split(tokens, tiles, -(-n // 64), programs_wanted), 4, 4)
+    cfg = GRAD_CANDIDATES[0]._replace(block_k=min(GRAD_CANDIDATES[0].block_k, qblock))
+    return resolve(cfg, tokens, -(-n // cfg.block_n), k // cfg.block_k, programs_wanted)
 
 
 def _refuse(x2: torch.Tensor, quant_state) -> None:
@@ -222,7 +254,11 @@ def fused_forward(x2: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor
     n = int(quant_state.shape[0])
     b = rotation.shape[-1]
     qs = cached_state(quant_state, x2.device)
-    cfg = config or forward_config(tokens, n, k, qs.blocksize, 2 * _multiprocessors(x2.device))
+    wanted = 2 * _multiprocessors(x2.device)
+    if config is not None:  # a K step never crosses a quantization block
+        config = config._replace(block_k=min(config.block_k, qs.blocksize))
+    cfg = forward_config(tokens, n, k, qs.blocksize, wanted) if config is None else resolve(
+        config, tokens, k // config.block_k, -(-n // config.block_n), wanted)
     if tokens == 0:
         return torch.empty(0, n, device=x2.device, dtype=x2.dtype)
     # Rotate in the prologue when each K step holds whole power-of-two rotation blocks (a batched dot needs
@@ -285,7 +321,11 @@ def grad_rotated_input(grad2: torch.Tensor, weight: torch.Tensor, quant_state,
         return grad2 @ dequantize_4bit(weight, quant_state, dtype=grad2.dtype)
     _refuse(grad2, quant_state)
     qs = cached_state(quant_state, grad2.device)
-    cfg = config or grad_config(tokens, n, k, qs.blocksize, 2 * _multiprocessors(grad2.device))
+    wanted = 2 * _multiprocessors(grad2.device)
+    if config is not None:
+        config = config._replace(block_k=min(config.block_k, qs.blocksize))
+    cfg = grad_config(tokens, n, k, qs.blocksize, wanted) if config is None else resolve(
+        config, tokens, -(-n // config.block_n), k // config.block_k, wanted)
     if tokens == 0:
         return grad2.new_empty(0, k)
     n_per_split = triton.cdiv(triton.cdiv(n, cfg.block_n), cfg.split) * cfg.block_n

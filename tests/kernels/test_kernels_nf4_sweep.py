@@ -1,0 +1,35 @@
+"""The prepared GPU sweep of the NF4 paths runs end to end at tiny sizes on CPU (``--dry-run``, interpreter)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("bitsandbytes")
+pytestmark = pytest.mark.usefixtures("needs_triton")
+
+
+def test_dry_run_measures_every_path_and_prints_the_threshold(tmp_path, capsys):
+    from benchmarks.kernels import nf4_sweep
+
+    result = nf4_sweep.main(["--dry-run", "--out", str(tmp_path)])
+    rows = result["rows"]
+    impls = {"dense bf16", "rotate + bnb", "dequantize + cuBLAS", "fused", "policy"}
+    assert {(r["tokens"], r["impl"]) for r in rows} == {(t, i) for t in nf4_sweep.DRY["tokens"] for i in impls}
+    assert all("error" not in r for r in rows), [r for r in rows if "error" in r]
+    # Every path computes the same layer (dense bf16 is the unrotated floor, not compared).
+    assert all(r["max_rel_err"] < 0.05 for r in rows if r["impl"] != "dense bf16")
+    assert set(result["autotune"]) == {str(t) for t in nf4_sweep.DRY["tokens"]}
+    assert "fwd_bwd_ms" in result["rotate"]["triton"]
+    assert "recommended dispatch threshold" in capsys.readouterr().out
+    assert json.loads((tmp_path / "nf4_sweep.json").read_text())["verdicts"] == result["verdicts"]
+
+
+def test_a_spent_budget_skips_the_rest_and_still_writes(tmp_path):
+    from benchmarks.kernels import nf4_sweep
+
+    result = nf4_sweep.main(["--dry-run", "--budget-s", "0", "--out", str(tmp_path)])
+    assert result["rows"] == [] and len(result["skipped"]) == len(nf4_sweep.DRY["tokens"])
+    assert result["rotate"] == {"skipped": True}
+    assert (tmp_path / "nf4_sweep.json").exists()
