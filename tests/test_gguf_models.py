@@ -49,6 +49,8 @@ def test_conversion_gives_a_chat_model_that_answers(converted, monkeypatch):
     assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
     model = load_model(NAME).eval()
     assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
+    # What adapters of it record as base_model_name_or_path: the Hub id it was made from, never the cache folder.
+    assert model.name_or_path == gguf_models.GGUF_MODELS[NAME].hub_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
     with torch.inference_mode():
         out = model.generate(**ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
