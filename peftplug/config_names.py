@@ -1,0 +1,220 @@
+"""Misspelled setting names: one line that names the culprit and the closest valid name (``difflib``).
+
+Used by the CLI for every place a name can be wrong — a key of a section (``trainer.max_step``), an option of a
+configured class (an optimizer's, a scheduler's, a data module's ``init_args``), a ``class_path``, a key inside
+``model.peft`` (PEFT configs are plain dataclasses: a typo there used to reach the constructor as a ``TypeError``
+traceback) — and by :func:`peftplug.loading.build_peft_config` for the Python API.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import inspect
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from peftplug.errors import ConfigError
+
+
+def closest(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate nearest to ``name`` (difflib's ratio of at least 0.6), or ``None``.
+
+    Args:
+        name: The misspelled name.
+        candidates: The valid names.
+    """
+    candidates = list(dict.fromkeys(candidates))
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    if not match:  # a dotted key: compare the last part among the keys of the same parent (trainer.max_step)
+        head, _, tail = name.rpartition(".")
+        same_parent = [c.rpartition(".")[2] for c in candidates if c.rpartition(".")[0] == head]
+        match = [f"{head}.{m}" if head else m for m in difflib.get_close_matches(tail, same_parent, n=1, cutoff=0.6)]
+    return match[0] if match else None
+
+
+def hint(name: str, candidates: Iterable[str], listed: int = 0) -> str:
+    """``"; did you mean 'x'?"`` for the closest candidate; without one, the first ``listed`` valid names (or
+    ``""``).
+
+    Args:
+        name: The misspelled name.
+        candidates: The valid names.
+        listed: How many valid names to list when none is close (0: none).
+    """
+    candidates = list(candidates)
+    best = closest(name, candidates)
+    if best is not None:
+        return f"; did you mean {best!r}?"
+    if listed and candidates:
+        more = ", ..." if len(candidates) > listed else ""
+        return f"; accepted: {', '.join(candidates[:listed])}{more}"
+    return ""
+
+
+def accepted_names(cls: type) -> list[str]:
+    """The keyword arguments a class accepts: a dataclass's init fields (PEFT configs), else its signature's
+    named parameters (all of its bases' when it passes ``**kwargs`` on).
+
+    Args:
+        cls: The class.
+    """
+    if dataclasses.is_dataclass(cls):
+        return [f.name for f in dataclasses.fields(cls) if f.init]
+    names: list[str] = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            params = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        names += [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    return list(dict.fromkeys(names))
+
+
+def import_class(class_path: str, field: str) -> type:
+    """Imports ``module.Class``; a missing module or name is one line naming ``field`` and the closest name.
+
+    Args:
+        class_path: Dotted path of the class.
+        field: The config field that gave it (``model.peft.class_path``).
+
+    Raises:
+        ConfigError: If it cannot be imported.
+    """
+    module_name, _, name = str(class_path).rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except (ImportError, ValueError):
+        raise ConfigError(f"{field}: {class_path!r} cannot be imported (no module {module_name!r})") from None
+    if not hasattr(module, name):
+        public = [n for n in dir(module) if not n.startswith("_") and inspect.isclass(getattr(module, n))]
+        found = closest(name, public)
+        suggestion = f"; did you mean {module_name}.{found}?" if found else ""
+        raise ConfigError(f"{field}: {class_path!r} cannot be imported: {module_name} has no {name!r}{suggestion}")
+    return getattr(module, name)
+
+
+def check_init_args(cls: type, given: Iterable[str], field: str) -> None:
+    """Refuses a keyword ``cls`` does not accept, naming it (``field.key``) and the closest accepted one.
+
+    Args:
+        cls: The configured class.
+        given: The keys given for it.
+        field: Where they are configured (``model.peft.init_args``).
+
+    Raises:
+        ConfigError: For the first unknown key.
+    """
+    accepted = accepted_names(cls)
+    for key in given:
+        if key not in accepted:
+            raise ConfigError(f"{field}.{key}: {cls.__name__} has no setting {key!r}{hint(key, accepted, 12)}")
+
+
+def check_peft_spec(spec: Any, field: str = "model.peft") -> None:
+    """Checks the names in a ``model.peft`` dict: the ``class_path`` and its ``init_args`` keys, or the
+    ``peft_type`` config's keys (an ``adapter_config.json``'s bookkeeping keys are allowed).
+
+    Args:
+        spec: The ``model.peft`` value (anything but a dict is left alone).
+        field: The config field, for messages.
+
+    Raises:
+        ConfigError: For a class that cannot be imported or a key its config class does not have.
+    """
+    if not isinstance(spec, dict):
+        return
+    if "class_path" in spec:
+        cls = import_class(spec["class_path"], f"{field}.class_path")
+        unknown = set(spec) - {"class_path", "init_args", "dict_kwargs"}
+        if unknown:
+            raise ConfigError(f"{field}.{min(unknown)}: a class_path config takes its settings under init_args")
+        check_init_args(cls, dict(spec.get("init_args") or {}), f"{field}.init_args")
+    elif "peft_type" in spec:
+        from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+        raw = spec["peft_type"]
+        peft_type = str(getattr(raw, "value", raw)).upper()
+        known = {getattr(k, "value", k): v for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
+        if peft_type in known:
+            keys = [k for k in spec if k not in ("peft_type", "peft_version", "auto_mapping")]
+            check_init_args(known[peft_type], keys, field)
+
+
+# Messages (as condensed by peftplug.cli.condense_argument_error) about a name that does not exist.
+_OPTION = re.compile(r"Option '([^']+)' is not accepted(?: by ([\w.]+))?")
+_CLASS_OF = re.compile(r"class_path '([\w.]+)'")
+_KEY = re.compile(r"(?:Subcommand '\w+' does not accept option|Key) '([^']+)'")
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: (--[\w.\-]+)")
+_NO_ATTRIBUTE = re.compile(r"module '([\w.]+)' has no attribute '(\w+)'")
+
+
+def suggest(message: str, keys: Iterable[str] = (), options: Iterable[str] = ()) -> str:
+    """Adds the closest valid name to a parse error about a name that does not exist; other messages unchanged.
+
+    Args:
+        message: The one-line error.
+        keys: The parser's setting keys (``trainer.max_steps``), for unknown keys in a config file.
+        options: The parser's option strings (``--trainer.max_steps``), for unknown command-line flags.
+    """
+    found = _OPTION.search(message)
+    if found:
+        class_path = found.group(2) or next(iter(_CLASS_OF.findall(message)), None)
+        try:
+            cls = import_class(class_path, "") if class_path else None
+        except ConfigError:
+            cls = None
+        return message + (hint(found.group(1), accepted_names(cls), 12) if cls is not None else "")
+    found = _KEY.search(message)
+    if found:
+        return message + hint(found.group(1), [k for k in keys if not k.endswith(".help")])
+    found = _UNRECOGNIZED.search(message)
+    if found:
+        return message + hint(found.group(1), [o for o in options if o.startswith("--") and not o.endswith(".help")])
+    found = _NO_ATTRIBUTE.search(message)
+    if found:
+        try:
+            module = importlib.import_module(found.group(1))
+        except ImportError:
+            return message
+        public = [n for n in dir(module) if not n.startswith("_")]
+        best = closest(found.group(2), public)
+        return message + (f"; did you mean {found.group(1)}.{best}?" if best else "")
+    return message
+
+
+__all__ = ["accepted_names", "check_init_args", "check_peft_spec", "closest", "given_peft_class_path", "hint",
+           "import_class", "suggest"]
+
+
+def given_peft_class_path(argv: Iterable[str]) -> str | None:
+    """The PEFT config class a command line sets for ``model.peft`` (from its ``--config`` files and
+    ``--model.peft`` / ``--model.peft.class_path`` arguments, the last one winning), or ``None``.
+
+    Args:
+        argv: The command-line arguments.
+    """
+    import yaml
+
+    argv = list(argv)
+    found = None
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+        if flag == "--config":
+            try:
+                with open(value, encoding="utf-8") as file:
+                    peft = yaml.safe_load(file).get("model", {}).get("peft")
+            except (OSError, yaml.YAMLError, AttributeError):
+                continue
+            found = peft.get("class_path", found) if isinstance(peft, dict) else found
+        elif flag in ("--model.peft", "--model.peft.class_path") and "." in value and "{" not in value:
+            found = value
+    return found
