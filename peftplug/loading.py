@@ -368,6 +368,9 @@ def build_peft_config(spec: Any, task: str):
     from peft import PeftConfig
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
+    from peftplug.config_names import check_peft_spec
+
+    check_peft_spec(spec)  # a misspelled class or key: one line with the closest valid name, not a TypeError
     if isinstance(spec, PeftConfig):
         config = spec
     elif isinstance(spec, dict) and "class_path" in spec:
