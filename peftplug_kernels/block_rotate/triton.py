@@ -117,18 +117,19 @@ TOKENS_PER_CHUNK = 512
 INTERPRETER_TOKENS_PER_CHUNK = 1 << 20
 
 
-def token_tile(tokens: int, tile: int) -> int:
-    """Tokens per program for a ``tile``-wide block tile: ``GPU_SLAB / tile`` on GPU (256 at b = 32).
+def token_tile(tokens: int, tile: int, slab: int = GPU_SLAB) -> int:
+    """Tokens per program for a ``tile``-wide block tile: ``slab / tile`` on GPU (256 at b = 32).
 
     The interpreter pays per program and per loop iteration, not per element: the biggest tiles there.
 
     Args:
         tokens: Rows of the input.
         tile: Block tile edge (power of two ≥ 16).
+        slab: Elements per program; the fused backward holds x, dX' and dX tiles, so it takes half.
     """
     if INTERPRETED:
         return min(256, max(16, next_pow2(tokens)))
-    return max(16, min(GPU_SLAB // tile, next_pow2(tokens)))
+    return max(16, min(slab // tile, next_pow2(tokens)))
 
 
 def _as_blocks(x2: torch.Tensor, rotation: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -237,10 +238,11 @@ def block_rotate_backward(x2: torch.Tensor, grad2: torch.Tensor, rotation: torch
     if tokens == 0 or not (need_x or need_rotation):
         dr = torch.zeros(n_blocks, b, b, device=x.device, dtype=torch.float32) if need_rotation else None
         return (dx.reshape(x2.shape) if need_x else None), dr
-    block_t = token_tile(tokens, bb)
+    # Half the forward's slab, 8 warps: the sm_90 compile check found no spills there at b ≤ 32 (b = 64: a few).
+    block_t = token_tile(tokens, bb, GPU_SLAB // 2)
     chunks, per_chunk = _chunks(tokens, block_t)
     partial = torch.empty(chunks, n_blocks, b, b, device=x.device, dtype=torch.float32) if need_rotation else g
-    launch = {} if INTERPRETED else {"num_warps": 4 if block_t * bb <= 4096 else 8}
+    launch = {} if INTERPRETED else {"num_warps": 8}
     _block_bwd_kernel[(n_blocks, chunks)](
         x, g, rotation, dx if need_x else g, partial, tokens, b, n_blocks, per_chunk,
         x.stride(0), b * b if rotation.shape[0] > 1 else 0, HAS_DX=need_x, HAS_DR=need_rotation,
