@@ -201,8 +201,10 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
             hidden: The block's output hidden state.
         """
         context = self.steer_context
-        if not torch.is_grad_enabled():
-            # Decoding hot path: a cached scaled vector and one fused (masked) add per adapter.
+        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # Decoding hot path: a cached scaled vector and one fused (masked) add per adapter. Eager only: the
+            # cache's validity check reads data pointers, which dynamo cannot trace, and a compiled graph gains
+            # nothing from it (the general path below computes the same adds).
             plan = self._add_plan(hidden.dtype)
             if plan is not None:
                 for policy, delta in plan:

@@ -1,4 +1,5 @@
-"""Helpers shared by the OFTv2 tests (a uniquely named module: several test folders have a conftest.py)."""
+"""Helpers shared by the OFTv2 tests in tests/oftv2 and tests/test_compile_adapters.py (a uniquely named module:
+several test folders have a conftest.py)."""
 
 from __future__ import annotations
 

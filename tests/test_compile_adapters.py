@@ -1,0 +1,207 @@
+"""``torch.compile(model, fullgraph=True)`` on every adapter type of ours: OFTv2 on Linear, Conv2d and Embedding
+layers (torch and Triton kernels), QOFT on an NF4 base, steering vectors and PCT.
+
+``fullgraph=True`` turns any graph break into an error, so each passing case has zero breaks, in our code and in
+everyone else's. The compiled loss and every adapter gradient must equal the eager ones to fp32 rounding, and a
+second step (parameters changed, as an optimizer changes them) must reuse the graph instead of recompiling — the
+first GPU run saw OFTv2 recompile to dynamo's limit and fall back to eager. ``backend="aot_eager"`` traces forward
+and backward as Inductor would receive them without paying its C++ compile; one case runs the default Inductor
+backend. The Triton kernels run in interpreter mode on CPU (tests/conftest.py), as ``torch.library`` custom ops.
+"""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+from oftv2_helpers import MixedLayers, randomize_q
+from torch import nn
+
+import oftv2
+import prompt_transfer as pt
+import steering
+from peftplug.tiny import char_tokenizer, tiny_model
+from peftplug_kernels._triton_available import triton_usable
+
+IMPLS = ["torch", "triton"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles new models through the same forward code objects: start from an empty dynamo cache, so
+    that one test's guards never count as another's recompilations."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _needs_triton(impl: str) -> None:
+    if impl == "triton":
+        ok, why = triton_usable("block_rotate", torch.zeros(1))
+        if not ok:
+            pytest.skip(why)
+
+
+def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_compiled_matches_eager(model: nn.Module, batch: dict, loss_of, backend: str = "aot_eager",
+                                  rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Loss and adapter gradients of ``torch.compile(model, fullgraph=True)`` equal eager's; step 2 reuses the graph.
+
+    Args:
+        model: The adapted model (train mode).
+        batch: Its keyword inputs.
+        loss_of: Model output -> scalar loss.
+        backend: Dynamo backend.
+        rtol: Relative tolerance (fp32 rounding).
+        atol: Absolute tolerance.
+    """
+    params = _trainable(model)
+    assert params
+    eager_loss = loss_of(model(**batch))
+    eager_loss.backward()
+    eager_grads = {n: p.grad.clone() for n, p in params.items()}
+    model.zero_grad(set_to_none=True)
+
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    loss = loss_of(compiled(**batch))
+    loss.backward()
+    torch.testing.assert_close(loss, eager_loss, rtol=rtol, atol=atol)
+    assert any(g.abs().max() > 0 for g in eager_grads.values()), "no adapter gradient: the test would prove nothing"
+    for name, param in params.items():
+        torch.testing.assert_close(param.grad, eager_grads[name], rtol=rtol, atol=atol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    model.zero_grad(set_to_none=True)
+
+    with torch.no_grad():
+        for param in params.values():
+            param.add_(torch.randn_like(param), alpha=1e-3)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        loss_of(compiled(**batch)).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _tiny_llama(**overrides):
+    return tiny_model("llama", seed=0, **{"num_hidden_layers": 1, **overrides})
+
+
+def _lm_batch() -> dict:
+    tokenizer = char_tokenizer()
+    tokenizer.padding_side = "left"
+    enc = tokenizer(["hello world", "abc"], return_tensors="pt", padding=True)
+    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels}
+
+
+def _lm_loss(out) -> torch.Tensor:
+    return out.loss
+
+
+@pytest.mark.parametrize("conv_evaluation", ["weight", "input"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_oftv2_linear_conv_embedding(impl, conv_evaluation):
+    _needs_triton(impl)
+    config = oftv2.OFTv2Config(block_size=4, target_modules=["embed", "conv", "proj"], kernel_impl=impl,
+                               conv_evaluation=conv_evaluation)
+    model = peft.get_peft_model(MixedLayers(), config)
+    randomize_q(model, std=0.05)
+    model.train()
+    ids = torch.randint(0, 10, (2, 5), generator=torch.Generator().manual_seed(1))
+    assert_compiled_matches_eager(model, {"ids": ids}, lambda out: out.square().mean())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_oftv2_tiny_llama_all_linear(impl):
+    _needs_triton(impl)
+    model = peft.get_peft_model(_tiny_llama(), oftv2.OFTv2Config(block_size=8, target_modules="all-linear",
+                                                                 kernel_impl=impl))
+    randomize_q(model, std=0.05)
+    model.train()
+    assert_compiled_matches_eager(model, _lm_batch(), _lm_loss)
+
+
+def test_oftv2_inductor():
+    # The default backend: Inductor generates and compiles C++ for the forward and the backward (the one case that
+    # pays for it, hence the smallest model: one adapted linear layer).
+    torch.manual_seed(0)
+    model = peft.get_peft_model(nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+                                oftv2.OFTv2Config(block_size=4, target_modules=["0"], kernel_impl="torch"))
+    randomize_q(model, std=0.05)
+    model.train()
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    assert_compiled_matches_eager(model, {"input": x}, lambda out: out.square().mean(), backend="inductor",
+                                  rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def nf4_llama(tmp_path_factory):
+    """Factory of a 1-layer tiny Llama loaded as NF4 (double quant, fp32 compute) through transformers."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers.utils import logging
+
+    path = tmp_path_factory.mktemp("tiny_llama_1l")
+    _tiny_llama().save_pretrained(path)
+    logging.disable_progress_bar()
+    qconfig = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                 bnb_4bit_compute_dtype=torch.float32)
+    return lambda: AutoModelForCausalLM.from_pretrained(path, quantization_config=qconfig, device_map="cpu")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_qoft_nf4(nf4_llama, impl):
+    # "triton" forces the fused rotate + NF4 dequantize + matmul kernel in every 4-bit layer; "torch" rotates, then
+    # calls bitsandbytes' Linear4bit, whose 4-bit ops (custom ops since bitsandbytes 0.50) compile whole too.
+    _needs_triton(impl)
+    from oftv2 import bnb as qoft
+
+    model = peft.get_peft_model(nf4_llama(), oftv2.OFTv2Config(block_size=16, target_modules="all-linear",
+                                                               kernel_impl=impl))
+    randomize_q(model, std=0.05)
+    model.train()
+    layers = [m for m in model.modules() if isinstance(m, qoft.Linear4bit)]
+    batch = _lm_batch()
+    assert layers and all((m._fused_adapter(batch["input_ids"][..., None].float().expand(-1, -1, m.in_features))
+                           is not None) == (impl == "triton") for m in layers)
+    assert_compiled_matches_eager(model, batch, _lm_loss, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("operator", "positions"), [("add", "all"), ("ablate_then_add", "prompt")])
+def test_steering(operator, positions):
+    model = peft.get_peft_model(_tiny_llama(num_hidden_layers=2), steering.SteeringConfig(
+        layers=[0, 1], operator=operator, positions=positions, multiplier=2.0))
+    with torch.no_grad():
+        for param in _trainable(model).values():
+            param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(2)))
+    model.train()
+    assert_compiled_matches_eager(model, _lm_batch(), _lm_loss)
+
+
+def test_steering_inference_path():
+    # Without gradients the layer adds a cached, pre-scaled vector (the decoding hot path): compiled = eager.
+    model = peft.get_peft_model(_tiny_llama(num_hidden_layers=2), steering.SteeringConfig(layers=[0, 1],
+                                                                                          positions="prompt"))
+    model.base_model.model.model.layers[1].set_vector("default", torch.linspace(-1, 1, 64))
+    batch = {k: v for k, v in _lm_batch().items() if k != "labels"}
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        eager = model(**batch).logits
+        for _ in range(2):
+            torch.testing.assert_close(compiled(**batch).logits, eager, rtol=1e-5, atol=1e-6)
+    with torch.no_grad(), model.disable_adapter():
+        assert not torch.allclose(model(**batch).logits, eager)  # the vector does act
+
+
+def test_pct(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    prompts = {f"src{i}": torch.randn(4, 64, generator=gen) * 0.5 for i in range(3)}
+    pt.save_decomposition(pt.decompose(prompts, contrastive_steps=5), str(tmp_path / "dec"))
+    model = peft.get_peft_model(_tiny_llama(), pt.PCTConfig(task_type="CAUSAL_LM",
+                                                            decomposition_path=str(tmp_path / "dec")))
+    with torch.no_grad():  # away from the uniform-attention init, so that every PCT parameter gets a gradient
+        for param in _trainable(model).values():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    model.train()
+    assert_compiled_matches_eager(model, _lm_batch(), _lm_loss)
