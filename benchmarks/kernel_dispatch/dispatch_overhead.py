@@ -10,7 +10,9 @@ paths, so the difference of the medians is the dispatch. Also timed: the ops-lev
 before (issue 40).
 
 Run: ``OMP_NUM_THREADS=1 python -m benchmarks.kernel_dispatch.dispatch_overhead`` (about a minute); prints a
-Markdown table and writes ``benchmarks/kernel_dispatch/results/dispatch_overhead.json``.
+Markdown table and writes ``benchmarks/kernel_dispatch/results/dispatch_overhead.json``. On a GPU,
+``--device cuda`` runs the real Triton kernels instead of the stand-ins (launches are asynchronous, so the CPU
+time per call is still the dispatch and launch overhead; written to ``dispatch_overhead_cuda.json``).
 """
 
 from __future__ import annotations
@@ -51,21 +53,22 @@ def _install_stand_in_kernels() -> None:
     sys.modules[rotate.__name__], sys.modules[cn.__name__] = rotate, cn
 
 
-def _cases() -> dict:
+def _cases(device: str = "cpu") -> dict:
     from peftplug_kernels import library, ops
     from peftplug_kernels.block_rotate.function import BlockRotateFunction
     from peftplug_kernels.cayley_neumann.function import CayleyNeumannFunction
 
-    x = torch.randn(8, 64, requires_grad=True)
-    rotation = torch.randn(2, 32, 32, requires_grad=True)
-    grad = torch.randn(8, 64)
-    q = (0.1 * torch.randn(2, 496)).requires_grad_(True)
-    grad_r = torch.randn(2, 32, 32)
+    x = torch.randn(8, 64, device=device, requires_grad=True)
+    rotation = torch.randn(2, 32, 32, device=device, requires_grad=True)
+    grad = torch.randn(8, 64, device=device)
+    q = (0.1 * torch.randn(2, 496, device=device)).requires_grad_(True)
+    grad_r = torch.randn(2, 32, 32, device=device)
 
     def fwd_bwd(run, g):
         return lambda: run().backward(g)
 
-    ops._TRITON_OK.add(("block_rotate", False))  # the hot path as on CUDA: the forced kernel verified once
+    ops.resolve_impl("triton", x, rotation, op="block_rotate")  # verified once, as a layer's first forward does
+    ops._TRITON_OK.add(("block_rotate", x.is_cuda))  # on CPU too: the hot path as on CUDA
     return {
         "block_rotate fwd: Function": lambda: BlockRotateFunction.apply(x, rotation),
         "block_rotate fwd: custom op": lambda: torch.ops.peftplug.block_rotate(x, rotation, False),
@@ -84,14 +87,15 @@ def _cases() -> dict:
     }
 
 
-def measure(rounds: int, calls: int) -> dict:
+def measure(rounds: int, calls: int, device: str = "cpu") -> dict:
     """Median CPU (thread) time per call of every case, interleaved round by round.
 
     Args:
         rounds: Interleaved rounds.
         calls: Calls per timed sample.
+        device: ``"cpu"`` (stand-in kernels) or ``"cuda"`` (the real ones).
     """
-    cases = _cases()
+    cases = _cases(device)
 
     def sample(name: str) -> float:
         run = cases[name]
@@ -118,17 +122,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--device", default="cpu", help="cuda: the real Triton kernels on the GPU")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    _install_stand_in_kernels()
-    us = measure(args.rounds, args.calls)
+    if args.device == "cpu":
+        _install_stand_in_kernels()
+    us = measure(args.rounds, args.calls, args.device)
     prov = provenance(("benchmarks/kernel_dispatch", "peftplug_kernels"))
     print(table(us))
     print(provenance_line(prov))
     if not args.no_write:
-        write_json(results_dir("kernel_dispatch") / "dispatch_overhead.json",
-                   {"us_per_call": us, "rounds": args.rounds, "calls": args.calls, "provenance": prov})
+        name = "dispatch_overhead.json" if args.device == "cpu" else "dispatch_overhead_cuda.json"
+        write_json(results_dir("kernel_dispatch") / name, {"us_per_call": us, "rounds": args.rounds,
+                                                            "calls": args.calls, "device": args.device,
+                                                            "provenance": prov})
 
 
 if __name__ == "__main__":
