@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from peft import PeftConfig
 
 from peftplug.answers import answer_matches
+from peftplug.compiling import ModelCompiler
 from peftplug.errors import ConfigError, MissingFileError
 from peftplug.loading import (
     QUANTIZATIONS,
@@ -95,6 +96,9 @@ class PeftModule(L.LightningModule):
         fsdp_mixed_precision: Under ``ModelParallelStrategy`` (FSDP2, see :meth:`configure_model`): ``none``, or
             ``bfloat16`` / ``float16`` to gather and compute with parameters in that dtype (gradients reduced in
             fp32; shards and optimizer keep ``dtype``). Ignored by every other strategy.
+        compile: ``true``: ``torch.compile`` the model whole (``fullgraph=True``), falling back to graph breaks with a
+            warning naming the layer that breaks; ``strict``: that line as an error; ``false`` (default): eager.
+        compile_options: ``torch.compile`` arguments ``backend``, ``mode``, ``dynamic``, ``options``.
     """
 
     def __init__(
@@ -111,6 +115,8 @@ class PeftModule(L.LightningModule):
         lr_scheduler_interval: str = "step",
         max_new_tokens: int = 32,
         fsdp_mixed_precision: str = "none",
+        compile: bool | str = False,
+        compile_options: dict | None = None,
     ) -> None:
         super().__init__()
         check_choice("model.task", task, TASKS)
@@ -119,6 +125,7 @@ class PeftModule(L.LightningModule):
         check_choice("model.fsdp_mixed_precision", fsdp_mixed_precision, FSDP_MIXED_PRECISIONS)
         if max_new_tokens < 1:
             raise ConfigError(f"model.max_new_tokens must be >= 1; got {max_new_tokens}")
+        self._compiler = ModelCompiler(compile, compile_options)
         ignore = ["optimizer", "lr_scheduler"] + ([] if isinstance(model, str) else ["model"])
         self.save_hyperparameters(ignore=ignore)
         self.task = task
@@ -153,6 +160,7 @@ class PeftModule(L.LightningModule):
         # Like any freshly built nn.Module (and unlike what from_pretrained returns), start in train mode;
         # Lightning switches to eval mode for validation/test/predict itself.
         self.model.train()
+        self._compiler.attach(self.model)
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.model.parameters())
         rank_zero_info(f"peftplug: trainable parameters {trainable:,} of {total:,} ({100 * trainable / total:.3f}%)")
@@ -164,11 +172,14 @@ class PeftModule(L.LightningModule):
 
     # ---------------------------------------------------------------- forward and metrics
     def forward(self, **batch: Any) -> Any:
-        """Runs the wrapped model on a batch dict.
+        """Runs the wrapped model on a batch dict (compiled with ``compile``, see :mod:`peftplug.compiling`).
 
         Args:
             **batch: Model inputs (``input_ids``, ``attention_mask``, ``labels``, ...).
         """
+        return self._compiler.call(self._forward, **batch)
+
+    def _forward(self, **batch: Any) -> Any:
         if self.task == "prompt_cls":
             from peftplug.prompt_scoring import prompt_cls_forward
 

@@ -1,0 +1,162 @@
+"""``compile`` for :class:`peftplug.lightning.PeftModule`: ``torch.compile`` of the wrapped model, whole-graph first.
+
+``compile: true`` compiles the adapted model in place (``nn.Module.compile``: parameter names, checkpoints and exports
+are unchanged) with ``fullgraph=True``. A model that dynamo cannot trace whole (a graph break somewhere in the base
+model or an adapter) then falls back, at the first call that meets the break, to ``fullgraph=False`` — the breaks run
+eagerly — with one warning naming the layer, the code line and dynamo's reason. ``compile: strict`` raises that line
+as a :class:`~peftplug.errors.ConfigError` instead (CI, benchmarks). ``compile_options`` passes ``backend``,
+``mode``, ``dynamic`` and ``options`` on to ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from typing import Any
+
+from torch import nn
+
+from peftplug.errors import ConfigError, one_line
+
+COMPILE_CHOICES = (False, True, "strict")
+COMPILE_OPTIONS = ("backend", "mode", "dynamic", "options")
+
+
+def check_compile_settings(compile: bool | str, compile_options: dict | None) -> dict:
+    """Validates ``model.compile`` / ``model.compile_options`` and returns the options as a dict.
+
+    Args:
+        compile: One of :data:`COMPILE_CHOICES`.
+        compile_options: Keyword arguments of ``torch.compile`` among :data:`COMPILE_OPTIONS`, or ``None``.
+
+    Raises:
+        ConfigError: Naming the field and the accepted values.
+    """
+    if not (compile is True or compile is False or compile == "strict"):
+        raise ConfigError(f"model.compile must be one of {list(COMPILE_CHOICES)}; got {compile!r}")
+    if compile_options is not None and not isinstance(compile_options, dict):
+        raise ConfigError(f"model.compile_options must be a mapping with keys among {list(COMPILE_OPTIONS)}; "
+                          f"got {compile_options!r}")
+    options = dict(compile_options or {})
+    unknown = sorted(set(options) - set(COMPILE_OPTIONS))
+    if unknown:
+        raise ConfigError(f"model.compile_options: unknown key(s) {unknown}; accepted: {list(COMPILE_OPTIONS)} "
+                          "(fullgraph is set by model.compile)")
+    return options
+
+
+def compile_model(model: nn.Module, fullgraph: bool, options: dict) -> None:
+    """Compiles ``model`` in place (``nn.Module.compile``); tracing happens at its first call.
+
+    Args:
+        model: The adapted model.
+        fullgraph: Refuse graph breaks (the first call raises at one).
+        options: Further ``torch.compile`` keyword arguments.
+    """
+    model.compile(fullgraph=fullgraph, **options)
+
+
+def is_graph_break(err: BaseException) -> bool:
+    """Whether ``err`` is dynamo refusing to trace something whole (a graph break under ``fullgraph=True``).
+
+    Args:
+        err: An exception raised by a compiled call.
+    """
+    from torch._dynamo import exc
+
+    return isinstance(err, (exc.Unsupported, exc.UserError))
+
+
+def _owner(model: nn.Module, frame: Any) -> str | None:
+    """The qualified name and class of the first module of ``model`` whose class defines the code of ``frame``."""
+    path = os.path.abspath(frame.filename)
+    for name, module in model.named_modules():
+        for cls in type(module).__mro__:
+            for value in vars(cls).values():
+                code = getattr(inspect.unwrap(value), "__code__", None) if callable(value) else None
+                if code is not None and code.co_name == frame.name and os.path.abspath(code.co_filename) == path:
+                    return f"{name or '<model>'} ({type(module).__name__})"
+    return None
+
+
+def describe_graph_break(model: nn.Module, err: BaseException) -> str:
+    """One line: the layer where dynamo stopped (innermost module of ``model`` on its stack), the line, the reason.
+
+    Args:
+        model: The compiled model.
+        err: The dynamo error (see :func:`is_graph_break`).
+    """
+    stack = list(getattr(err, "real_stack", None) or [])
+    where = f"{stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}" if stack else "an unknown line"
+    layer = next((owner for frame in reversed(stack) if (owner := _owner(model, frame))), None)
+    reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+    return one_line(f"layer {layer or 'unknown'} at {where}: {reason}", limit=600)
+
+
+def fall_back_or_raise(model: nn.Module, err: BaseException, strict: bool, options: dict) -> None:
+    """Handles a graph break met under ``fullgraph=True``: one-line error (``strict``) or a warned fallback.
+
+    Args:
+        model: The compiled model (recompiled without ``fullgraph`` when not ``strict``).
+        err: The dynamo error.
+        strict: Raise instead of falling back.
+        options: The ``torch.compile`` options to recompile with.
+
+    Raises:
+        ConfigError: When ``strict``, naming the layer and the reason.
+    """
+    where = describe_graph_break(model, err)
+    if strict:
+        raise ConfigError(f"model.compile: strict: torch.compile(fullgraph=True) cannot trace the model whole: {where}"
+                          " (set model.compile: true to fall back to graph breaks)") from err
+    warnings.warn(f"peftplug: torch.compile(fullgraph=True) cannot trace the model whole, falling back to "
+                  f"fullgraph=False (that part runs eagerly): {where}", stacklevel=3)
+    compile_model(model, fullgraph=False, options=options)
+
+
+class ModelCompiler:
+    """What :class:`~peftplug.lightning.PeftModule` does for ``compile``: validate, compile, fall back once.
+
+    Args:
+        compile: One of :data:`COMPILE_CHOICES`.
+        compile_options: See :func:`check_compile_settings`.
+
+    Raises:
+        ConfigError: For invalid settings (before any model is loaded).
+    """
+
+    def __init__(self, compile: bool | str = False, compile_options: dict | None = None) -> None:
+        self.options = check_compile_settings(compile, compile_options)
+        self.strict = compile == "strict"
+        self.fullgraph = compile is not False
+        self.model: nn.Module | None = None
+
+    def attach(self, model: nn.Module) -> None:
+        """Compiles ``model`` in place with ``fullgraph=True`` when compiling is on (else does nothing).
+
+        Args:
+            model: The adapted model.
+        """
+        self.model = model
+        if self.fullgraph:
+            compile_model(model, fullgraph=True, options=self.options)
+
+    def call(self, fn, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``; a graph break under ``fullgraph=True`` falls back (or raises, when strict).
+
+        Dynamo refuses a break while tracing, before running anything, so repeating the call is safe.
+
+        Args:
+            fn: A callable that runs the compiled model.
+            *args: Its positional arguments.
+            **kwargs: Its keyword arguments.
+        """
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:  # re-raised below unless it is dynamo refusing a graph break
+            if not (self.fullgraph and self.model is not None and is_graph_break(err)):
+                raise
+            fall_back_or_raise(self.model, err, self.strict, self.options)
+            self.fullgraph = False
+        return fn(*args, **kwargs)
