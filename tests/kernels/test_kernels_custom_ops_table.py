@@ -102,3 +102,13 @@ def test_auto_on_cuda_follows_the_table():
         assert ops.resolve_impl("auto", x, op=op) == expected
     assert ops.resolve_impl("auto", x, op="nf4_dequantize") == (
         table.kernel_choice("dequantize_4bit", x.device) if triton_available() else "torch")
+
+
+def test_nf4_auto_unfused_composes_the_reference(quantize):
+    # Unfused under auto, nf4_rotate_matmul runs rotate -> dequantize -> matmul with each piece's own auto choice:
+    # on CPU exactly the reference.
+    _, packed, state = quantize((24, 64), torch.float32, "nf4", True)
+    x, rot = torch.randn(5, 64), torch.linalg.qr(torch.randn(4, 16, 16))[0]
+    bias = torch.randn(24)
+    torch.testing.assert_close(ops.nf4_rotate_matmul(x, rot, packed, state, bias),
+                               ops.nf4_rotate_matmul(x, rot, packed, state, bias, impl="torch"), rtol=0, atol=0)
