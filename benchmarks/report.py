@@ -25,7 +25,7 @@ from benchmarks.helene.smollm2 import budget_report as helene_budget
 from benchmarks.helene.smollm2 import cli as helene_smollm2
 from benchmarks.helene.smollm2 import zero_shot
 from benchmarks.kernels import compile_check, gpu
-from benchmarks.oftv2 import conv, cpu, fsdp2_memory, llm_sft, lora_export, qoft
+from benchmarks.oftv2 import conv, cpu, fsdp2_memory, llm_sft, lora_export, overhead_report, qoft
 from benchmarks.prompt_transfer import minilm as pct_minilm
 from benchmarks.steering import stories260k
 
@@ -45,6 +45,7 @@ PAGES: dict[str, list[tuple[str, Callable[[Path], bool] | str]]] = {
                 ("qoft-gpu", lambda d: gpu.report(gpu.RESULTS, d / "qoft.md"))],
     "llm_sft.md": [("page", lambda d: llm_sft.report(d / "llm_sft.md"))],
     # The same result also renders the table in docs/oftv2.md (beside docs/benchmarks/; absent in a --check copy).
+    "oftv2_overhead.md": [("page", lambda d: overhead_report.report(overhead_report.RESULTS, d / "oftv2_overhead.md"))],
     "oftv2_lora_export.md": [("page", lambda d: lora_export.report(lora_export.RESULTS, d / "oftv2_lora_export.md",
                                                                    d.parent / "oftv2.md"))],
     "fsdp2_memory.md": [("page", lambda d: fsdp2_memory.report(fsdp2_memory.RESULTS, d / "fsdp2_memory.md"))],

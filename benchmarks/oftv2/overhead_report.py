@@ -28,9 +28,11 @@ kernels keep the GPU busy 73.5 ms of a 139.7 ms step, LoRA's 116.6 of 127.8: `..
 2026-12-04, commit d6385f5), while whole-model CPU step ratios hide that cost behind arithmetic. Here a stack of
 frozen `nn.Linear(width, width)` layers, each adapted, runs forward + backward on 8 tokens: at width 64 the
 arithmetic is negligible, so the time per layer is framework cost (Python, autograd, dispatcher, allocator), and the
-calls that compute are what a GPU would launch. **kernels** = ATen calls that compute and delegate to no other
-computing call (views, allocations and no-op `to` excluded), plus Inductor's generated kernels under `torch.compile`;
-**ATen** = every ATen call, nested ones included; **autograd** = backward nodes run. *Added* = the layer minus the
+calls that compute are what a GPU would launch. **kernels** = ATen calls that compute, each counted once at its
+outermost call (`linear` → `matmul` → `mm` is one; a composite whose inner calls compute twice or more counts those;
+views, allocations and no-op `to` are not kernels), plus Inductor's generated kernels under `torch.compile` (counted
+on a second compile with `cpp.enable_kernel_profile`); **ATen** = every ATen call, nested ones included;
+**autograd** = backward nodes run. *Added* = the layer minus the
 unadapted layer (whose input still needs a gradient). One torch thread, process CPU time, all rows of a table timed
 interleaved round by round in one process (medians; IQR beside). OFTv2 runs with its defaults (`kernel_impl="auto"`:
 the torch path on CPU).
