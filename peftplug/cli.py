@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from peftplug.cli_help import FIT_IN_SHORT, LIGHTNING_COMMANDS, overview, unknown_command
 from peftplug.config_errors import (  # condense_argument_error, config_field: re-exported, their historical home
     ConfigFieldInstantiator,
     _exception_chain,
@@ -55,6 +56,8 @@ SUBCOMMANDS: dict[str, str] = {
     "steering": "steering.cli:main",
     "generate": "peftplug.generate_cli:generate_main",
     "chat": "peftplug.generate_cli:chat_main",
+    "pct": "prompt_transfer.cli:main",
+    "kshot": "peftplug.data.lmbff_cli:main",
 }
 
 
@@ -359,6 +362,10 @@ def lightning_main(argv: Sequence[str]) -> int:
         done = cli(argv)
     except MisconfigurationException as err:
         raise ConfigError(one_line(err)) from err
+    except SystemExit as done_help:
+        if argv[:1] == ["fit"] and {"-h", "--help"} & set(argv) and done_help.code in (0, None):
+            print(f"\n{FIT_IN_SHORT}", flush=True)  # the last screen of a 1,400-line help: what recipes set
+        raise
     signum = done.interrupted_by() if argv and argv[0] == "fit" else None
     # The shell's convention for a run ended by a signal (130 for Ctrl-C, 143 for SIGTERM): scripts see that
     # it did not finish, although it stopped cleanly and can resume.
@@ -385,13 +392,20 @@ def subcommand(name: str) -> Callable[[list[str]], int]:
 
 
 def dispatch(argv: list[str]) -> int:
-    """Runs the subcommand named by ``argv[0]``: one of :data:`SUBCOMMANDS`, else LightningCLI's.
+    """Runs the subcommand named by ``argv[0]``: one of :data:`SUBCOMMANDS`, else LightningCLI's; none or
+    ``--help`` prints every subcommand with one line (:mod:`peftplug.cli_help`), an unknown one is an error line
+    with the closest name.
 
     Args:
         argv: Arguments without the program name.
     """
-    if argv and argv[0] in SUBCOMMANDS:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(overview(SUBCOMMANDS), flush=True)
+        return 0 if argv else 2
+    if argv[0] in SUBCOMMANDS:
         return int(subcommand(argv[0])(list(argv[1:])) or 0)
+    if not argv[0].startswith("-") and argv[0] not in LIGHTNING_COMMANDS:
+        raise ConfigError(unknown_command(argv[0], SUBCOMMANDS))
     return lightning_main(argv)
 
 

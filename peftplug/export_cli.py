@@ -1,6 +1,6 @@
 """``peftplug export``: the adapter (or the merged model) of a ``peftplug fit`` checkpoint, written as a folder.
 
-``--as-lora --rank R`` writes an OFTv2 (or QOFT) adapter as a standard PEFT LoRA adapter instead
+``--as_lora --rank R`` writes an OFTv2 (or QOFT) adapter as a standard PEFT LoRA adapter instead
 (:func:`oftv2.export_lora`), for servers that load LoRA only (vLLM, SGLang, TGI): ``R`` a positive integer (clipped
 per layer to its full rank) or ``full`` (reproduces the adapter to rounding). A QOFT checkpoint's update is taken
 from its dequantized 4-bit (or 8-bit) base weights, so the LoRA reproduces the adapter on that same quantized base.
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from peftplug.errors import ConfigError
+from peftplug.flags import underscore_flags
 
 # What a folder written by `peftplug export` (or save_pretrained) holds: only such a folder may be overwritten.
 _EXPORT_MARKERS = ("adapter_config.json", "config.json")
@@ -50,26 +51,26 @@ def check_export_target(output: str, overwrite: bool) -> None:
 
 
 def parse_rank(rank: str | None, as_lora: bool, merge: bool) -> int | str | None:
-    """The ``--rank`` of ``--as-lora``: a positive integer or ``"full"``; ``None`` without ``--as-lora``.
+    """The ``--rank`` of ``--as_lora``: a positive integer or ``"full"``; ``None`` without ``--as_lora``.
 
     Args:
         rank: The ``--rank`` text, or ``None`` when not given.
-        as_lora: Whether ``--as-lora`` was given.
+        as_lora: Whether ``--as_lora`` was given.
         merge: Whether ``--merge`` was given.
 
     Raises:
-        ConfigError: For a rank without ``--as-lora``, ``--as-lora`` without a rank or with ``--merge``, or a rank
+        ConfigError: For a rank without ``--as_lora``, ``--as_lora`` without a rank or with ``--merge``, or a rank
             that is not a positive integer or ``full``.
     """
     if not as_lora:
         if rank is not None:
-            raise ConfigError("--rank is the LoRA rank of --as-lora; add --as-lora (or drop --rank)")
+            raise ConfigError("--rank is the LoRA rank of --as_lora; add --as_lora (or drop --rank)")
         return None
     if merge:
-        raise ConfigError("--as-lora and --merge exclude each other: --as-lora writes a LoRA adapter, --merge a full "
+        raise ConfigError("--as_lora and --merge exclude each other: --as_lora writes a LoRA adapter, --merge a full "
                           "model")
     if rank is None:
-        raise ConfigError("--as-lora needs --rank R: a positive integer (clipped per layer to its full rank) or "
+        raise ConfigError("--as_lora needs --rank R: a positive integer (clipped per layer to its full rank) or "
                           "'full' (exact, largest); docs/oftv2.md 'Serving as LoRA' has the trade-off")
     if rank == "full":
         return rank
@@ -99,14 +100,14 @@ def export_as_lora(module: Any, output: str, rank: int | str) -> Path:
     config = configs.get("default")
     if not isinstance(config, oftv2.OFTv2Config):
         kind = getattr(getattr(config, "peft_type", None), "value", None) or "no adapter"
-        raise ConfigError(f"--as-lora converts OFTv2 adapters only; this checkpoint's adapter is {kind} (export it "
-                          "without --as-lora: it is a PEFT adapter already)")
+        raise ConfigError(f"--as_lora converts OFTv2 adapters only; this checkpoint's adapter is {kind} (export it "
+                          "without --as_lora: it is a PEFT adapter already)")
     target = Path(output).expanduser().resolve()
     with atomic_directory(target, overwrite=True) as staging:
         try:
             oftv2.export_lora(module.model, staging, rank=rank)  # it fills the empty staging folder
         except ValueError as err:
-            raise ConfigError(f"--as-lora: {err}") from None
+            raise ConfigError(f"--as_lora: {err}") from None
         if module.tokenizer is not None:
             module.tokenizer.save_pretrained(staging)
     return target
@@ -125,13 +126,13 @@ def export_main(argv: Sequence[str]) -> int:
     parser.add_argument("--ckpt_path", required=True, help="checkpoint written by `peftplug fit`")
     parser.add_argument("--output", required=True, help="directory to write")
     parser.add_argument("--merge", action="store_true", help="merge the adapter into the base (merge_and_unload)")
-    parser.add_argument("--as-lora", action="store_true",
+    parser.add_argument("--as_lora", action="store_true",
                         help="write an OFTv2/QOFT adapter as a standard PEFT LoRA adapter (for vLLM, SGLang, TGI)")
     parser.add_argument("--rank", default=None,
-                        help="LoRA rank of --as-lora: a positive integer (clipped per layer) or 'full' (exact)")
+                        help="LoRA rank of --as_lora: a positive integer (clipped per layer) or 'full' (exact)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing output directory written by an earlier export")
-    args = parser.parse_args(list(argv))
+    args = underscore_flags(parser).parse_args(list(argv))
     rank = parse_rank(args.rank, args.as_lora, args.merge)
     check_export_target(args.output, args.overwrite)  # before the (slow) model load, and before anything is written
     from peftplug.checkpoints import load_checkpoint_module

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from peftplug.errors import ConfigError
+from peftplug.flags import underscore_flags
 
 _EXIT_WORDS = {"exit", "quit", "/exit", "/quit"}
 
@@ -38,7 +39,7 @@ def _parser(prog: str, chat: bool) -> argparse.ArgumentParser:
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling")
-    return parser
+    return underscore_flags(parser)
 
 
 class Generator:

@@ -204,7 +204,9 @@ def _run(argv: list[str]) -> int:
     e = sub.add_parser("export", help="collapse a saved PCT adapter into a plain PEFT prompt-tuning adapter")
     e.add_argument("pct_adapter")
     e.add_argument("out")
-    args = parser.parse_args(argv)
+    from peftplug.flags import underscore_flags  # one flag spelling across peftplug: --out_dir (or --out-dir)
+
+    args = underscore_flags(parser).parse_args(argv)
 
     if args.command == "train-sources":
         from prompt_transfer.source import validate_sources_recipe

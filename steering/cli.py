@@ -368,5 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         Exit status (0 on success). User errors raise ``peftplug.errors.PeftplugError`` subclasses, which
         ``peftplug.cli.main`` prints as one line.
     """
-    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    from peftplug.flags import underscore_flags  # one flag spelling across peftplug: --max_new_tokens (or -)
+
+    args = underscore_flags(build_parser()).parse_args(list(argv) if argv is not None else None)
     return int(args.func(args) or 0)

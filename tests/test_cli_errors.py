@@ -289,18 +289,19 @@ CASES = [
      "tool_turn.jsonl' row 3 (train split): turn 2 is a tool turn (role 'tool'): tool turns are not supported"),
     ("messages_list_content", _chat("list_content"),
      "list_content.jsonl' row 3 (train split): turn 1's content is a list (content parts); only string content"),
-    # ... and export --as-lora refuses what it cannot convert, before writing anything.
+    # ... and export --as_lora (given here as --as-lora, the accepted alias) refuses what it cannot convert, before
+    # writing anything.
     ("export_as_lora_of_lora", _export_lora_ckpt("--as-lora", "--rank", "4"),
-     "--as-lora converts OFTv2 adapters only; this checkpoint's adapter is LORA (export it without --as-lora"),
+     "--as_lora converts OFTv2 adapters only; this checkpoint's adapter is LORA (export it without --as_lora"),
     ("export_as_lora_rank_word", _export_lora_ckpt("--as-lora", "--rank", "big"),
      "--rank must be a positive integer or 'full'; got 'big'"),
     ("export_as_lora_rank_zero", _export_lora_ckpt("--as-lora", "--rank", "0"),
      "--rank must be a positive integer or 'full'; got '0'"),
-    ("export_as_lora_without_rank", _export_lora_ckpt("--as-lora"), "--as-lora needs --rank R: a positive integer"),
+    ("export_as_lora_without_rank", _export_lora_ckpt("--as-lora"), "--as_lora needs --rank R: a positive integer"),
     ("export_rank_without_as_lora", _export_lora_ckpt("--rank", "8"),
-     "--rank is the LoRA rank of --as-lora; add --as-lora (or drop --rank)"),
+     "--rank is the LoRA rank of --as_lora; add --as_lora (or drop --rank)"),
     ("export_as_lora_with_merge", _export_lora_ckpt("--as-lora", "--rank", "8", "--merge"),
-     "--as-lora and --merge exclude each other"),
+     "--as_lora and --merge exclude each other"),
 ]
 
 
@@ -358,7 +359,9 @@ def test_help_and_unavailable_subcommand(capsys, monkeypatch):
             continue
         with pytest.raises(SystemExit) as done:
             main([name, "--help"])
-        assert done.value.code == 0 and f"peftplug {name}" in capsys.readouterr().out
+        usage = capsys.readouterr().out.split("\n")[0]  # pct and kshot keep their `python -m` program names
+        module = cli_module.SUBCOMMANDS[name].partition(":")[0]
+        assert done.value.code == 0 and (f"usage: peftplug {name}" in usage or f"python -m {module}" in usage)
 
     monkeypatch.setitem(cli_module.SUBCOMMANDS, "dream", "peftplug.no_such_module:main")
     line = _error_line(capsys, main(["dream", "--x"]))

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from peftplug.data.lmbff import HUB_SOURCES, LMBFF_SEEDS, write_kshot_folder
 from peftplug.datadir import DATA_DIR_ENV, default_data_dir
 from peftplug.errors import run_command
+from peftplug.flags import underscore_flags
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"folder, {default_data_dir()}, is read-only data of this checkout: not a target)"))
         parser.add_argument("--k", type=int, default=16, help="rows per class (LM-BFF: 16; MeZO also 512)")
         parser.add_argument("--seeds", type=int, nargs="+", default=list(LMBFF_SEEDS), help="split seeds")
-        ns = parser.parse_args(args)
+        ns = underscore_flags(parser).parse_args(args)
         for task in ns.tasks:
             print(f"wrote {write_kshot_folder(task, ns.data_dir, ns.k, ns.seeds)}", file=sys.stderr)
         return 0
