@@ -13,6 +13,7 @@ module never imports bitsandbytes; the tests check it equals ``bitsandbytes.func
 from __future__ import annotations
 
 import math
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -91,6 +92,36 @@ class KernelQuantState(NamedTuple):
     nested: bool
 
 
+# offset tensor -> (its version counter, its value): see _offset_value.
+_OFFSETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _offset_value(offset) -> float:
+    """``float(offset)`` without a device-to-host copy on every call.
+
+    The kernels take the double-quantization offset as a scalar, and reading a CUDA tensor's value waits for the GPU
+    to finish all queued work: on every fused forward and every dequantize that stalled the CPU of a launch-bound
+    step, and it is not allowed while a CUDA graph is captured. A quant state's offset tensor lives as long as the
+    layer, so its value is read once and cached; the version counter catches an in-place change.
+    (``nf4_dequantize.tile.cached_state`` keeps the whole converted state on a bitsandbytes state object; this cache
+    also covers the state that ``peftplug_kernels.library``'s ops rebuild from their flat arguments on every call.)
+
+    Args:
+        offset: The state's offset (a 0-d tensor in bitsandbytes, or a number).
+    """
+    if not isinstance(offset, torch.Tensor):
+        return float(offset)
+    try:
+        version = offset._version
+    except RuntimeError:  # inference tensors have no version counter: read it every time
+        return float(offset)
+    cached = _OFFSETS.get(offset)
+    if cached is None or cached[0] != version:
+        cached = (version, float(offset))
+        _OFFSETS[offset] = cached
+    return cached[1]
+
+
 def kernel_quant_state(quant_state, device: torch.device) -> KernelQuantState:
     """Reads a bitsandbytes ``QuantState`` (by attribute) into the tensors the Triton kernels take.
 
@@ -108,5 +139,5 @@ def kernel_quant_state(quant_state, device: torch.device) -> KernelQuantState:
         quant_state.absmax.to(device).contiguous(), code,
         inner.absmax.to(device=device, dtype=torch.float32).contiguous(),
         inner.code.to(device=device, dtype=torch.float32).contiguous(),
-        float(quant_state.offset), int(quant_state.blocksize), int(inner.blocksize), True,
+        _offset_value(quant_state.offset), int(quant_state.blocksize), int(inner.blocksize), True,
     )

@@ -164,3 +164,14 @@ def test_resolved_impl_skips_the_availability_check(monkeypatch):
     assert calls == []
     ops.block_rotate(x, rot, impl="auto")
     assert len(calls) == 1
+
+
+def test_offset_read_once_per_tensor_version(quantize):
+    # The double-quantization offset is read from the device once per tensor (a sync per call stalled the GPU and
+    # breaks CUDA-graph capture), and read again after an in-place change.
+    _, _, state = quantize((8, 64), torch.float32, "nf4", True)
+    first = deq_ref.kernel_quant_state(state, state.absmax.device).offset
+    assert first == pytest.approx(float(state.offset)) and state.offset in deq_ref._OFFSETS
+    with torch.no_grad():
+        state.offset.add_(1.0)
+    assert deq_ref.kernel_quant_state(state, state.absmax.device).offset == pytest.approx(first + 1.0)
