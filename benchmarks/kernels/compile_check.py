@@ -34,7 +34,10 @@ PAGE = DOCS / "kernels_sm90.md"
 RESULTS = results_dir("kernels") / "compile_check.json"
 H200_MULTIPROCESSORS = 132
 SM90_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
-INT_ARGS = ("T", "N", "K", "B", "n", "n_tiles", "n_tiles_n")
+INT_ARGS = ("T", "N", "K", "B", "R", "n", "n_tiles", "n_tiles_n", "k_per_split", "n_per_split", "tokens_per_chunk")
+# Arguments Triton's JIT marks divisible by 16 at a real launch (16-byte aligned tensors, widths and strides that
+# are multiples of 16 at LLM shapes): marking them here makes the compiled code match, vector loads included.
+DIVISIBLE = ("K", "N", "k_per_split", "n_per_split", "tokens_per_chunk")
 
 
 def _configs():
@@ -67,25 +70,94 @@ def _configs():
                 label = f"nf4_rotate_matmul {dtype} b≤{bb} {tile_t}×{tile_n}/{tile_warps}w nested={nested} per_col={per_col}"
                 yield (label, fused._rotate_dequant_matmul_kernel, types, const,
                        {"num_warps": tile_warps, "num_stages": stages})
+        if half:
+            yield from _w4a16_configs(dtype)
         for nested in (True, False):
             types = {"w_ptr": "*u8", "absmax_ptr": "*u8" if nested else "*fp32", "code_ptr": "*fp32",
                      "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset": "fp32", "out_ptr": f"*{dtype}"}
+            rows, options = dequant.launch(4096 * 4096, 64)
             yield (f"nf4_dequantize {dtype} nested={nested}", dequant._dequantize_4bit_kernel, types,
-                   {"QBLOCK": 64, "QBLOCK2": 256 if nested else 1, "NESTED": nested, "BLOCK": 1024},
-                   {"num_warps": 4, "enable_fp_fusion": False})
+                   {"QBLOCK": 64, "QBLOCK2": 256 if nested else 1, "NESTED": nested, "ROWS": rows}, options)
         for tile in (16, 32, 64):
-            yield (f"block_rotate mm {dtype} tile {tile}", rotate._block_mm_kernel,
+            block_t = rotate.token_tile(4096, tile)
+            warps = {"num_warps": 4 if block_t * tile <= 4096 else 8}
+            yield (f"block_rotate mm {dtype} tile {tile} × {block_t} tokens", rotate._block_mm_kernel,
                    {"a_ptr": f"*{dtype}", "m_ptr": "*fp32", "c_ptr": f"*{dtype}"},
-                   {"BLOCK_T": 64, "BLOCK_K": tile, "BLOCK_N": tile, "PRECISION": precision}, {})
+                   {"BLOCK_T": block_t, "BLOCK_K": tile, "BLOCK_N": tile, "PRECISION": precision}, warps)
             yield (f"block_rotate atb {dtype} tile {tile}", rotate._block_atb_kernel,
                    {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "out_ptr": "*fp32"},
                    {"BLOCK_M": tile, "BLOCK_N": tile, "BLOCK_T": 64, "PRECISION": precision}, {})
+            bwd_t = rotate.token_tile(4096, tile, rotate.GPU_SLAB // 2)
+            yield (f"block_rotate bwd (dX + dR) {dtype} b≤{tile} × {bwd_t} tokens", rotate._block_bwd_kernel,
+                   {"x_ptr": f"*{dtype}", "g_ptr": f"*{dtype}", "m_ptr": "*fp32", "dx_ptr": f"*{dtype}",
+                    "dr_ptr": "*fp32"},
+                   {"HAS_DX": True, "HAS_DR": True, "BLOCK_T": bwd_t, "BB": tile, "PRECISION": precision},
+                   {"num_warps": 8})
     for bb in (16, 32, 64):
         for name, kernel, types in (("forward", cn._cn_forward_kernel, {"q_ptr": "*fp32", "r_ptr": "*fp32"}),
                                     ("backward", cn._cn_backward_kernel,
                                      {"q_ptr": "*fp32", "g_ptr": "*fp32", "dq_ptr": "*fp32"})):
             yield (f"cayley_neumann {name} b≤{bb}", kernel, types, {"TERMS": 5, "LAST_COEFF": 2.0, "BB": bb},
                    {"num_warps": cn.gpu_num_warps(bb, backward=name == "backward")})
+
+
+def _w4a16_configs(dtype: str):
+    """The W4A16 kernels' candidates (what the GPU sweep times) at 16 / 4096 tokens of a 4096 × 4096 weight."""
+    from peftplug_kernels.nf4_rotate_matmul import w4a16
+
+    n = k = 4096
+    common = {"w_ptr": "*u8", "code_ptr": "*fp32", "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset": "fp32"}
+    regimes = (("decode", 16, w4a16.DECODE_CANDIDATES, True), ("gemm", 4096, w4a16.GEMM_CANDIDATES, False))
+    for regime, tokens, candidates, rotate in regimes:
+        for index, cfg in enumerate(candidates):
+            cfg = w4a16.resolve(cfg, tokens, k // cfg.block_k, -(-n // cfg.block_n), 2 * H200_MULTIPROCESSORS)
+            for nested in (True, False) if index == 0 else (True,):
+                types = {**common, "x_ptr": f"*{dtype}", "r_ptr": "*fp32", "absmax_ptr": "*u8" if nested else "*fp32",
+                         "bias_ptr": f"*{dtype}", "y_ptr": "*fp32" if cfg.split > 1 else f"*{dtype}"}
+                const = {"QBLOCK": 64 if cfg.block_k <= 64 else 128, "QBLOCK2": 256 if nested else 1,
+                         "NESTED": nested, "ROTATE": rotate, "RB": 32, "HAS_BIAS": True, "SPLIT_K": cfg.split,
+                         "FP32_DOT": False, "BLOCK_T": cfg.block_t, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                         "GROUP_T": 8}
+                label = (f"w4a16 forward {regime} {dtype} {cfg.block_t}×{cfg.block_n}×{cfg.block_k} split {cfg.split} "
+                         f"{cfg.num_warps}w/{cfg.num_stages}s nested={nested} rotate={rotate}")
+                yield (label, w4a16._forward_kernel, types, const,
+                       {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    for cfg in w4a16.GRAD_CANDIDATES:
+        cfg = w4a16.resolve(cfg, 16, -(-n // cfg.block_n), k // cfg.block_k, 2 * H200_MULTIPROCESSORS)
+        types = {**common, "g_ptr": f"*{dtype}", "absmax_ptr": "*u8", "out_ptr": "*fp32" if cfg.split > 1 else f"*{dtype}"}
+        const = {"QBLOCK": 64, "QBLOCK2": 256, "NESTED": True, "SPLIT_N": cfg.split, "FP32_DOT": False,
+                 "BLOCK_T": cfg.block_t, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
+        label = (f"w4a16 dX' {dtype} {cfg.block_t}×{cfg.block_n}×{cfg.block_k} split {cfg.split} "
+                 f"{cfg.num_warps}w/{cfg.num_stages}s nested=True")
+        yield label, w4a16._grad_input_kernel, types, const, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def attributes(kernel, const: dict) -> dict:
+    """``tt.divisibility`` hints as Triton's JIT gives them at a real launch (pointers, strides, :data:`DIVISIBLE`).
+
+    Args:
+        kernel: The ``@triton.jit`` function.
+        const: Its constexpr arguments (not hinted).
+    """
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+            if name not in const and (name.endswith("_ptr") or name.startswith("stride") or name in DIVISIBLE)}
+
+
+def compile_sm90(kernel, types: dict, const: dict, options: dict):
+    """Compiles one configuration for sm_90 (no GPU needed) and returns Triton's compiled kernel.
+
+    Args:
+        kernel: The ``@triton.jit`` function.
+        types: Pointer/scalar types by argument name.
+        const: Constexpr arguments.
+        options: ``num_warps``, ``num_stages``, ...
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(kernel, _signature(kernel, types, const), constexprs=const, attrs=attributes(kernel, const))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def _signature(kernel, types: dict, const: dict) -> dict:
@@ -131,7 +203,17 @@ def render(record: dict) -> str:
               f"`python -m benchmarks.kernels.compile_check` with Triton {record['triton']}: every launch "
               f"configuration of `peftplug_kernels/*/triton.py`, compiled by Triton's bundled ptxas for Hopper. "
               f"Registers are per thread (255 max); stack bytes > 0 are registers spilled to local memory.\n\n")
-    return header + "\n".join(table) + "\n"
+    ptx = record.get("ptx")
+    if not ptx:
+        return header + "\n".join(table) + "\n"
+    lines = ["", "## The fused W4A16 NF4 forward's main loop in PTX (`python -m benchmarks.kernels.ptx_check`)", "",
+             "| loop of | tensor-core instructions | ld.global | cp.async | scalar global reads | selp |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {label} | {' '.join(f'`{k}`' for k in prof['tensor_core'])} | {prof['ld_global']} | "
+              f"{prof['cp_async']} | {prof['scalar_reads']} | {prof['selects']} |"
+              for label, prof in ptx["profiles"].items()]
+    lines += [""] + [f"- {'ok' if ok else '**FAIL**'}: {claim} ({why})" for claim, (ok, why) in ptx["claims"].items()]
+    return header + "\n".join(table) + "\n" + "\n".join(lines) + "\n"
 
 
 def report(results: Path = RESULTS, page: Path = PAGE) -> bool:
@@ -166,19 +248,15 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     # A private cache: compile seconds are real (not cache hits) and the user's cache is left alone.
     cache = tempfile.TemporaryDirectory()
     os.environ["TRITON_CACHE_DIR"] = cache.name
-    target = GPUTarget("cuda", 90, 32)
     rows, failures = [], 0
     for label, kernel, types, const, options in _configs():
         started = time.perf_counter()
         try:
-            compiled = triton.compile(ASTSource(kernel, _signature(kernel, types, const), constexprs=const),
-                                      target=target, options=options)
+            compiled = compile_sm90(kernel, types, const, options)
             shared = int(compiled.metadata.shared)
             res = _resources(compiled.asm["cubin"])
             ok = shared <= SM90_SHARED_LIMIT
@@ -190,13 +268,19 @@ def main(argv=None) -> int:
         failures += not ok
         rows.append(row)
         print(" | ".join(row), flush=True)
+    from benchmarks.kernels.ptx_check import findings
+
+    ptx = findings()
+    failures += sum(not ok for ok, _ in ptx["claims"].values())
+    for claim, (ok, why) in ptx["claims"].items():
+        print(f"{'ok' if ok else 'FAIL'}: {claim} ({why})")
     if args.out:
         page, results = outputs(args.out, PAGE, RESULTS)
-        write_json(results, {"triton": triton.__version__, "rows": [list(r) for r in rows],
+        write_json(results, {"triton": triton.__version__, "rows": [list(r) for r in rows], "ptx": ptx,
                              "provenance": provenance(("peftplug_kernels", "benchmarks/kernels"))})
         report(results, page)
     cache.cleanup()
-    print(f"{len(rows) - failures}/{len(rows)} configurations compile within sm_90 limits")
+    print(f"{sum(r[-1] == 'ok' for r in rows)}/{len(rows)} configurations compile within sm_90 limits")
     return 1 if failures else 0
 
 
