@@ -21,11 +21,12 @@ def test_dispatch_overhead_runs(monkeypatch, capsys):
     import sys
 
     from benchmarks.kernel_dispatch import dispatch_overhead
-    from peftplug_kernels import ops
+    from peftplug_kernels import _triton_available, ops
 
     for name in ("peftplug_kernels.block_rotate.triton", "peftplug_kernels.cayley_neumann.triton"):
         monkeypatch.setitem(sys.modules, name, sys.modules.get(name))
     monkeypatch.setattr(ops, "_TRITON_OK", set())
+    monkeypatch.setattr(_triton_available, "_LOADED", {})
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     dispatch_overhead.main(["--rounds", "1", "--calls", "2", "--no-write"])
     out = capsys.readouterr().out
