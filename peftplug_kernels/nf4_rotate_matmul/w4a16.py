@@ -193,6 +193,7 @@ GRAD_CANDIDATES = (
 )
 
 
+@functools.lru_cache(maxsize=1024)  # called per forward: keep Python off the decode path's critical microseconds
 def forward_config(tokens: int, n: int, k: int, qblock: int, programs_wanted: int) -> W4A16Config:
     """Default forward tiles: a 16–64-token tile streaming the weight once for few tokens, GEMM tiles for many.
 
@@ -211,6 +212,7 @@ def forward_config(tokens: int, n: int, k: int, qblock: int, programs_wanted: in
     return resolve(cfg, tokens, k // cfg.block_k, -(-n // cfg.block_n), programs_wanted)
 
 
+@functools.lru_cache(maxsize=1024)
 def grad_config(tokens: int, n: int, k: int, qblock: int, programs_wanted: int) -> W4A16Config:
     """Default tiles of ``dX' = dY deq(W)``: output tiles ``[block_t, block_k]``, the N loop split for few tokens.
 
