@@ -33,3 +33,23 @@ def test_a_spent_budget_skips_the_rest_and_still_writes(tmp_path):
     assert result["rows"] == [] and len(result["skipped"]) == len(nf4_sweep.DRY["tokens"])
     assert result["rotate"] == {"skipped": True}
     assert (tmp_path / "nf4_sweep.json").exists()
+
+
+def test_verdicts_judge_each_target_and_set_the_threshold():
+    from benchmarks.kernels import nf4_sweep
+
+    cfg = nf4_sweep.FULL
+    rows = []
+    for n, k in cfg["shapes"]:
+        for tokens in cfg["tokens"]:
+            fused = 0.04 if tokens <= 64 else 2.0  # fused wins up to 64 tokens on every shape
+            for impl, ms in (("fused", fused), ("rotate + bnb", 0.3), ("dequantize + cuBLAS", 0.2), ("policy", 0.25)):
+                rows.append({"shape": f"{n}×{k}", "tokens": tokens, "impl": impl, "fwd_ms": ms, "fwd_bwd_ms": ms,
+                             "fwd_graph_ms": None})
+    result = {"rows": rows, "rotate": {"triton": {"fwd_ms": 0.02, "fwd_bwd_ms": 0.2}}}
+    lines = nf4_sweep.verdicts(result, cfg)
+    assert "target fused forward, 16 tokens, 4096² ≤ 0.05 ms: met (0.0400 vs 0.0500)" in lines
+    assert "target fused forward, 16 tokens, 4096², CUDA graph (GPU time) ≤ 0.05 ms: not measured" in lines
+    assert any(line.startswith("target forward, 4096 tokens (policy) ≤ 0.30 ms: met") for line in lines)
+    assert any(line.startswith("target block_rotate forward + backward 4096×4096 ≤ 0.15 ms: NOT met") for line in lines)
+    assert lines[-1].endswith(": 64")
