@@ -79,7 +79,7 @@ def _configs():
             yield (f"nf4_dequantize {dtype} nested={nested}", dequant._dequantize_4bit_kernel, types,
                    {"QBLOCK": 64, "QBLOCK2": 256 if nested else 1, "NESTED": nested, "ROWS": rows}, options)
         for tile in (16, 32, 64):
-            block_t = rotate.token_tile(4096, tile)
+            block_t = rotate.token_tile(4096, tile, itemsize=2 if half else 4)
             warps = {"num_warps": 4 if block_t * tile <= 4096 else 8}
             yield (f"block_rotate mm {dtype} tile {tile} × {block_t} tokens", rotate._block_mm_kernel,
                    {"a_ptr": f"*{dtype}", "m_ptr": "*fp32", "c_ptr": f"*{dtype}"},
@@ -87,7 +87,7 @@ def _configs():
             yield (f"block_rotate atb {dtype} tile {tile}", rotate._block_atb_kernel,
                    {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "out_ptr": "*fp32"},
                    {"BLOCK_M": tile, "BLOCK_N": tile, "BLOCK_T": 64, "PRECISION": precision}, {})
-            bwd_t = rotate.token_tile(4096, tile, rotate.GPU_SLAB // 2)
+            bwd_t = rotate.token_tile(4096, tile, rotate.GPU_SLAB // 2, 2 if half else 4)
             yield (f"block_rotate bwd (dX + dR) {dtype} b≤{tile} × {bwd_t} tokens", rotate._block_bwd_kernel,
                    {"x_ptr": f"*{dtype}", "g_ptr": f"*{dtype}", "m_ptr": "*fp32", "dx_ptr": f"*{dtype}",
                     "dr_ptr": "*fp32"},

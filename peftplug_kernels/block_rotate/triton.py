@@ -117,8 +117,8 @@ TOKENS_PER_CHUNK = 512
 INTERPRETER_TOKENS_PER_CHUNK = 1 << 20
 
 
-def token_tile(tokens: int, tile: int, slab: int = GPU_SLAB) -> int:
-    """Tokens per program for a ``tile``-wide block tile: ``slab / tile`` on GPU (256 at b = 32).
+def token_tile(tokens: int, tile: int, slab: int = GPU_SLAB, itemsize: int = 2) -> int:
+    """Tokens per program for a ``tile``-wide block tile: ``slab / tile`` on GPU (256 at b = 32 in bf16).
 
     The interpreter pays per program and per loop iteration, not per element: the biggest tiles there.
 
@@ -126,10 +126,12 @@ def token_tile(tokens: int, tile: int, slab: int = GPU_SLAB) -> int:
         tokens: Rows of the input.
         tile: Block tile edge (power of two ≥ 16).
         slab: Elements per program; the fused backward holds x, dX' and dX tiles, so it takes half.
+        itemsize: Bytes per input element: fp32 (exact FMA dots, no tensor cores) takes half the tokens; the
+            sm_90 compile check then finds ≤ 56 B of spills per thread instead of up to 2.4 KB.
     """
     if INTERPRETED:
         return min(256, max(16, next_pow2(tokens)))
-    return max(16, min(slab // tile, next_pow2(tokens)))
+    return max(16, min(slab * 2 // max(2, itemsize) // tile, next_pow2(tokens)))
 
 
 def _as_blocks(x2: torch.Tensor, rotation: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -160,7 +162,7 @@ def block_matmul(x2: torch.Tensor, rotation: torch.Tensor, transpose: bool = Fal
     tile = block_tile(b) if INTERPRETED else min(64, block_tile(b))
     n_tiles_n = triton.cdiv(b, tile)
     stride_mk, stride_mn = (1, b) if transpose else (b, 1)
-    block_t = token_tile(tokens, tile)
+    block_t = token_tile(tokens, tile, itemsize=x2.element_size())
     grid = (triton.cdiv(tokens, block_t), n_blocks * n_tiles_n)
     launch = {} if INTERPRETED else {"num_warps": 4 if block_t * tile <= 4096 else 8}
     _block_mm_kernel[grid](
@@ -239,7 +241,7 @@ def block_rotate_backward(x2: torch.Tensor, grad2: torch.Tensor, rotation: torch
         dr = torch.zeros(n_blocks, b, b, device=x.device, dtype=torch.float32) if need_rotation else None
         return (dx.reshape(x2.shape) if need_x else None), dr
     # Half the forward's slab, 8 warps: the sm_90 compile check found no spills there at b ≤ 32 (b = 64: a few).
-    block_t = token_tile(tokens, bb, GPU_SLAB // 2)
+    block_t = token_tile(tokens, bb, GPU_SLAB // 2, x2.element_size())
     chunks, per_chunk = _chunks(tokens, block_t)
     partial = torch.empty(chunks, n_blocks, b, b, device=x.device, dtype=torch.float32) if need_rotation else g
     launch = {} if INTERPRETED else {"num_warps": 8}
