@@ -170,3 +170,17 @@ def test_runnable_examples_run(page, tmp_path, monkeypatch):
                 exec(compile(code, f"{page.name}:{line}", "exec"), namespace)  # noqa: S102
         except Exception as err:
             raise AssertionError(f"{page.name}, the runnable block at line {line} failed: {err}") from err
+
+
+def test_links_and_recipe_paths_in_the_docs_exist():
+    """Every relative link of README.md and docs/*.md, and every ``recipes/....yaml`` they name, exists."""
+    missing = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            external = target.startswith(("http://", "https://", "#", "mailto:"))
+            if not external and not (page.parent / target.split("#")[0]).exists():
+                missing.append(f"{page.name}: link {target}")
+        missing += [f"{page.name}: {path}" for path in re.findall(r"recipes/[\w./-]+\.yaml", text)
+                    if not (REPO / path).is_file()]
+    assert not missing, "missing: " + "; ".join(sorted(set(missing)))
