@@ -108,9 +108,10 @@ def _w4a16_configs(dtype: str):
     n = k = 4096
     common = {"w_ptr": "*u8", "code_ptr": "*fp32", "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset": "fp32"}
     regimes = (("decode", 16, w4a16.DECODE_CANDIDATES, True), ("gemm", 4096, w4a16.GEMM_CANDIDATES, False))
-    for regime, tokens, candidates, rotate in regimes:
+    for regime, tokens, candidates, in_prologue in regimes:
         for index, cfg in enumerate(candidates):
             cfg = w4a16.resolve(cfg, tokens, k // cfg.block_k, -(-n // cfg.block_n), 2 * H200_MULTIPROCESSORS)
+            rotate = in_prologue and not cfg.prerotate
             for nested in (True, False) if index == 0 else (True,):
                 types = {**common, "x_ptr": f"*{dtype}", "r_ptr": "*fp32", "absmax_ptr": "*u8" if nested else "*fp32",
                          "bias_ptr": f"*{dtype}", "y_ptr": "*fp32" if cfg.split > 1 else f"*{dtype}"}

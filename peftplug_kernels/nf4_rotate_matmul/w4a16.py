@@ -135,7 +135,8 @@ FUSED_GRAD_MAX_TOKENS = 64
 
 
 class W4A16Config(NamedTuple):
-    """One launch configuration: tiles, the K (forward) or N (backward) split, warps and pipeline stages."""
+    """One launch configuration: tiles, the K (forward) or N (backward) split, warps and pipeline stages, and
+    (forward) whether x is rotated once beforehand instead of per output tile in the prologue."""
 
     block_t: int
     block_n: int
@@ -143,6 +144,7 @@ class W4A16Config(NamedTuple):
     split: int
     num_warps: int
     num_stages: int
+    prerotate: bool = False
 
 
 @functools.cache
@@ -180,13 +182,13 @@ def resolve(cfg: W4A16Config, tokens: int, steps: int, tiles_out: int, programs_
 DECODE_CANDIDATES = (
     W4A16Config(0, 64, 64, 0, 4, 3), W4A16Config(0, 64, 128, 0, 4, 3), W4A16Config(0, 32, 128, 0, 4, 4),
     W4A16Config(0, 128, 64, 0, 4, 3), W4A16Config(0, 64, 64, 0, 8, 4), W4A16Config(0, 64, 64, 1, 4, 3),
-    W4A16Config(0, 32, 64, 0, 4, 4), W4A16Config(0, 64, 128, 0, 8, 3),
+    W4A16Config(0, 32, 64, 0, 4, 4), W4A16Config(0, 64, 64, 0, 4, 3, prerotate=True),
 )
-GEMM_CANDIDATES = (
+GEMM_CANDIDATES = tuple(c._replace(prerotate=True) for c in (  # many tokens: rotate x once (the table)
     W4A16Config(128, 128, 64, 1, 8, 3), W4A16Config(128, 64, 64, 1, 4, 3), W4A16Config(64, 128, 64, 1, 4, 3),
     W4A16Config(128, 128, 64, 1, 4, 4), W4A16Config(256, 128, 64, 1, 8, 3), W4A16Config(128, 256, 64, 1, 8, 3),
     W4A16Config(64, 64, 64, 1, 4, 4), W4A16Config(128, 128, 128, 1, 8, 2),
-)
+))
 GRAD_CANDIDATES = (
     W4A16Config(0, 64, 64, 0, 4, 3), W4A16Config(0, 128, 64, 0, 4, 3), W4A16Config(0, 64, 64, 0, 8, 4),
     W4A16Config(0, 64, 64, 1, 4, 3),
@@ -265,7 +267,7 @@ def fused_forward(x2: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor
         return torch.empty(0, n, device=x2.device, dtype=x2.dtype)
     # Rotate in the prologue when each K step holds whole power-of-two rotation blocks (a batched dot needs
     # dimensions >= 16), else rotate x once beforehand (one memory-bound pass).
-    rotate_here = b >= 16 and b & (b - 1) == 0 and cfg.block_k % b == 0
+    rotate_here = not cfg.prerotate and b >= 16 and b & (b - 1) == 0 and cfg.block_k % b == 0
     xin = x2 if rotate_here else block_matmul(x2, rotation)
     steps = k // cfg.block_k
     if steps % cfg.split:
@@ -278,7 +280,8 @@ def fused_forward(x2: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor
         xin, rotation, packed_bytes(weight), qs.absmax, qs.code, qs.absmax2, qs.code2, qs.offset,
         bias if bias is not None else y, y, tokens, n, k, xin.stride(0), b * b if rotation.shape[0] > 1 else 0,
         y.stride(0), k // cfg.split,
-        QBLOCK=qs.blocksize, QBLOCK2=qs.blocksize2, NESTED=qs.nested, ROTATE=rotate_here, RB=b if rotate_here else 16, HAS_BIAS=bias is not None,
+        QBLOCK=qs.blocksize, QBLOCK2=qs.blocksize2, NESTED=qs.nested, ROTATE=rotate_here, RB=b if rotate_here else 16,
+        HAS_BIAS=bias is not None,
         SPLIT_K=cfg.split, FP32_DOT=INTERPRETED, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_T=8, **launch,
     )

@@ -28,6 +28,7 @@ def _layer(quantize, device, out_f, in_f, b, dtype, quant_type="nf4", nested=Tru
     [
         (5, 48, 256, 32, "nf4", True, 64, False, (16, 16, 64, 1)),  # prologue rotation, 3 output tiles, 4 K steps
         (5, 48, 256, 32, "nf4", True, 64, False, (16, 32, 64, 2)),  # split-K (fp32 atomics), partial output tile
+        (5, 48, 128, 32, "nf4", True, 64, False, (16, 32, 64, 1, True)),  # x rotated once beforehand (asked)
         (20, 40, 128, 16, "fp4", False, 128, True, (16, 32, 128, 1)),  # shared block, 2 token tiles, qblock 128
         (3, 32, 192, 24, "nf4", True, 64, False, (16, 32, 64, 1)),  # block 24: x rotated once beforehand
         (33, 16, 128, 64, "nf4", False, 64, False, None),  # block 64, the default launch
@@ -40,7 +41,7 @@ def test_fused_forward_matches_oracle(device, close, quantize, tokens, out_f, in
     packed, state, rot = _layer(quantize, device, out_f, in_f, b, dtype, quant_type, nested, blocksize, shared)
     x = torch.randn(tokens, in_f, device=device, dtype=dtype)
     bias = torch.randn(out_f, device=device, dtype=dtype)
-    config = None if cfg is None else kernels.W4A16Config(*cfg, 4, 3)
+    config = None if cfg is None else kernels.W4A16Config(*cfg[:4], 4, 3, *cfg[4:])
     y = kernels.fused_forward(x, rot, packed, state, bias, config=config)
     expected = F.linear(block_rotate(x, rot), bnbf.dequantize_4bit(packed, state).to(dtype), bias)
     assert y.shape == expected.shape and y.dtype == dtype
