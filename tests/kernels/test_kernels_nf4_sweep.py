@@ -32,6 +32,7 @@ def test_a_spent_budget_skips_the_rest_and_still_writes(tmp_path):
     result = nf4_sweep.main(["--dry-run", "--budget-s", "0", "--out", str(tmp_path)])
     assert result["rows"] == [] and len(result["skipped"]) == len(nf4_sweep.DRY["tokens"])
     assert result["rotate"] == {"skipped": True}
+    assert result["verdicts"][-1].endswith(": never")
     assert (tmp_path / "nf4_sweep.json").exists()
 
 
