@@ -16,7 +16,9 @@ from peftplug.errors import ConfigError, PeftplugError, one_line
 # Lines of a jsonargparse error that describe its own machinery, not the user's value.
 _JSONARGPARSE_NOISE = re.compile(
     r"^(Given value( type)?:|Subtypes:|Errors:$|Does not validate against any of the Union subtypes$"
-    r"|Expected a path but .* either not accessible or invalid$)"
+    r"|Expected a path but .* either not accessible or invalid$"
+    # its list of the forms a subclass value may take, after the real problem
+    r"|Not a valid subclass of \w+$|Subclass types expect one of:$|a class path \(str\)$|a dict with(out)? )"
 )
 # Union alternatives the user did not mean when a value fails (`model.peft` may also be a dict or null).
 _UNION_ALTERNATIVE = re.compile(r"^Expected a <class '(NoneType|dict)'>")

@@ -164,17 +164,20 @@ def suggest(message: str, keys: Iterable[str] = (), options: Iterable[str] = ())
         keys: The parser's setting keys (``trainer.max_steps``), for unknown keys in a config file.
         options: The parser's option strings (``--trainer.max_steps``), for unknown command-line flags.
     """
+    def after(found: re.Match, text: str) -> str:  # right after the culprit: the rest of a long line may be cut
+        return message[: found.end()] + text + message[found.end():]
+
     found = _OPTION.search(message)
     if found:
-        class_path = found.group(2) or next(iter(_CLASS_OF.findall(message)), None)
+        class_path = found.group(2) or next(iter(_CLASS_OF.findall(message[: found.start()])[-1:]), None)
         try:
             cls = import_class(class_path, "") if class_path else None
         except ConfigError:
             cls = None
-        return message + (hint(found.group(1), accepted_names(cls), 12) if cls is not None else "")
+        return after(found, hint(found.group(1), accepted_names(cls), 12) if cls is not None else "")
     found = _KEY.search(message)
     if found:
-        return message + hint(found.group(1), [k for k in keys if not k.endswith(".help")])
+        return after(found, hint(found.group(1), [k for k in keys if not k.endswith(".help")]))
     found = _UNRECOGNIZED.search(message)
     if found:
         return message + hint(found.group(1), [o for o in options if o.startswith("--") and not o.endswith(".help")])
@@ -184,9 +187,8 @@ def suggest(message: str, keys: Iterable[str] = (), options: Iterable[str] = ())
             module = importlib.import_module(found.group(1))
         except ImportError:
             return message
-        public = [n for n in dir(module) if not n.startswith("_")]
-        best = closest(found.group(2), public)
-        return message + (f"; did you mean {found.group(1)}.{best}?" if best else "")
+        best = closest(found.group(2), [n for n in dir(module) if not n.startswith("_")])
+        return after(found, f"; did you mean {found.group(1)}.{best}?" if best else "")
     return message
 
 

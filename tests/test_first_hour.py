@@ -59,6 +59,8 @@ def typos(tmp_path_factory):
     # Spelled apart: tests/test_public_import_paths.py checks that every dotted peftplug name written here exists.
     write("data_class", lambda r: r["data"].update(class_path="peftplug.chat_data" + ".BBCNewsChatDat"))
     write("trainer_key", lambda r: r["trainer"].update(max_epoch=2))
+    write("callback_key", lambda r: r["trainer"].update(callbacks=[{
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"every_n_train_step": 5}}]))
     write("model_key", lambda r: r["model"].update(quantisation="none"))
     write("top_key", lambda r: r.update(evaluate_after_fitt=True))
     write("section", lambda r: r.update(trainr=r.pop("trainer")))
@@ -88,6 +90,8 @@ SWEEP = [
     _yaml("data_key", "Option 'n_wrods' is not accepted; did you mean 'n_words'?"),
     _yaml("data_class", "did you mean peftplug.chat_data.BBCNewsChatData?"),
     _yaml("trainer_key", "does not accept option 'trainer.max_epoch'; did you mean 'trainer.max_epochs'?"),
+    _yaml("callback_key", "ModelCheckpoint': Option 'every_n_train_step' is not accepted; did you mean "
+                          "'every_n_train_steps'?"),
     _yaml("model_key", "does not accept option 'model.quantisation'; did you mean 'model.quantization'?"),
     _yaml("top_key", "does not accept option 'evaluate_after_fitt'; did you mean 'evaluate_after_fit'?"),
     _yaml("section", "did you mean 'trainer."),
