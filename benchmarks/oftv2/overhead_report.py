@@ -168,7 +168,7 @@ def render(runs: dict[str, dict], notes: str | None = None) -> str:
                   "| OFTv2 / LoRA r16 | " + " | ".join(f"`{label}`" for label in runs) + " | target ≤ 1.00 |",
                   "|---|" + "---:|" * (len(runs) + 1)]
         for key in keys:
-            cells = [fmt(table[label].get(key), ".3f") for label in runs]
+            cells = [fmt(table[label].get(key), ".4f") for label in runs]  # strict verdicts: show the digits they read
             value = table[last].get(key)
             verdict = "—" if value is None else ("met" if value <= 1.0 else "not met")
             lines.append(f"| {key} | " + " | ".join(cells) + f" | {verdict} |")
