@@ -35,6 +35,7 @@ from peftplug.quantized_layout import (
     repacked_message,
 )
 from peftplug_kernels import dispatch_table, ops
+from peftplug_kernels.nf4_rotate_matmul.fit import w4a16_unfit
 
 from .config import OFTv2Config
 from .dispatch import FUSE_ALWAYS, KernelPlan, choose_impl
@@ -312,6 +313,10 @@ class Linear4bit(_QuantizedOFTv2):
         if impl == "triton":
             return plan._replace(fused_max_tokens=FUSE_ALWAYS)
         if choose_impl(impl, "nf4_rotate_matmul", weight) != "triton":
+            return plan
+        if w4a16_unfit(self.get_base_layer().compute_dtype or state.dtype, tuple(state.shape), state):
+            # auto fuses only layers the W4A16 kernels take (fp16/bf16, power-of-two quant blocks >= 64, ...); the
+            # older general kernel that runs the rest when forced was never measured faster than not fusing.
             return plan
         return plan._replace(fused_max_tokens=dispatch_table.fused_nf4_max_tokens(weight.device))
 

@@ -15,6 +15,7 @@ imports no Triton):
     ``cayley_neumann_backward(q_vec, grad_r, terms, form)``              dL/dq (fp32)
     ``dequantize_4bit(weight, <flat state>, dtype)``                     deq(W), not differentiable
     ``nf4_rotate_matmul(x, rotation, weight, <flat state>, bias)``       ``(x R) deq(W)ᵀ + bias``
+    ``nf4_grad_rotated_input(grad, weight, <flat state>)``               its backward's ``dY deq(W)``, ``[tokens, in]``
 where ``<flat state>`` are the fields of :class:`peftplug_kernels.quant_state.FlatQuantState`.
 
 The public functions at the bottom are what :mod:`peftplug_kernels.ops` calls for ``impl="triton"``. In eager mode
@@ -170,6 +171,19 @@ def _(x, rotation, weight, absmax, code, absmax2, code2, offset, blocksize, bloc
     return x.new_empty(*x.shape[:-1], shape[0])
 
 
+@torch.library.custom_op("peftplug::nf4_grad_rotated_input", mutates_args=())
+def _nf4_grad_op(grad: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+                 absmax2: torch.Tensor | None, code2: torch.Tensor | None, offset: torch.Tensor | None, blocksize: int,
+                 blocksize2: int, shape: list[int], state_dtype: torch.dtype) -> torch.Tensor:
+    state = state_view(absmax, code, absmax2, code2, offset, blocksize, blocksize2, shape, state_dtype)
+    return load_kernel_module("nf4_rotate_matmul").grad_rotated_input(_flat(grad), weight, state)
+
+
+@_nf4_grad_op.register_fake
+def _(grad, weight, absmax, code, absmax2, code2, offset, blocksize, blocksize2, shape, state_dtype):
+    return grad.new_empty(grad.numel() // grad.shape[-1], shape[1])
+
+
 def _nf4_setup(ctx, inputs, output):
     x, rotation, weight, *state, bias = inputs
     ctx.save_for_backward(x, rotation, weight, *state[:5])
@@ -181,9 +195,9 @@ def _nf4_backward(ctx, grad):
     x, rotation, weight, *tensors = ctx.saved_tensors
     grad_x = grad_rot = grad_bias = None
     if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-        # dX' = dY deq(W): W dequantized once in the gradient's dtype, then one matmul (the 4-bit codes are frozen).
-        w = _dequantize_op(weight, *tensors, *ctx.scalars, grad.dtype)
-        grad_rotated = grad @ w
+        # dX' = dY deq(W), [tokens, in] (the 4-bit codes are frozen): fused for few tokens, else W dequantized once
+        # in the gradient's dtype and one matmul (the rule lives in the kernel module's grad_rotated_input).
+        grad_rotated = _nf4_grad_op(grad, weight, *tensors, *ctx.scalars).reshape(x.shape)
         if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
             grad_x, grad_rot = _rotate_backward_op(x, grad_rotated, rotation)
             grad_rot = grad_rot.to(rotation.dtype)

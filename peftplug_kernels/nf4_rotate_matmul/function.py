@@ -1,7 +1,8 @@
 """Autograd wrapper of the fused rotate + 4-bit matmul.
 
-Forward: the fused Triton kernel. Backward (the 4-bit weight is frozen): ``dX' = dY deq(W)`` through one
-dequantized matmul (the dequantize kernel writes W once in the gradient's dtype, as bitsandbytes' backward does), then the block-rotation backward kernel gives ``dX = dX' Rᵀ`` and ``dR = Σ x_blkᵀ dX'_blk``;
+Forward: the fused Triton kernel. Backward (the 4-bit weight is frozen): ``dX' = dY deq(W)`` through
+``grad_rotated_input`` (a fused kernel for few tokens, else W dequantized once in the gradient's dtype and one
+matmul, as bitsandbytes' backward does), then the block-rotation backward kernel gives ``dX = dX' Rᵀ`` and ``dR = Σ x_blkᵀ dX'_blk``;
 ``dbias = Σ dY`` when the bias is trainable.
 """
 
@@ -29,13 +30,14 @@ class NF4RotateMatmulFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         rotate = load_kernel_module("block_rotate")
-        dequantize = load_kernel_module("nf4_dequantize")
+        fused = load_kernel_module("nf4_rotate_matmul")
         x2, rotation, weight = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_rot = grad_bias = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            w = dequantize.dequantize_4bit(weight, ctx.quant_state, dtype=g2.dtype)
-            grad_rotated = (g2 @ w).contiguous()
+            # dX' = dY deq(W): fused (no dequantized weight in memory) for few tokens on layers the W4A16 kernels
+            # take, else one-launch dequantize + one matmul (the rule lives in grad_rotated_input).
+            grad_rotated = fused.grad_rotated_input(g2.contiguous(), weight, ctx.quant_state).contiguous()
             grad_x, grad_rot = rotate.block_rotate_backward(x2, grad_rotated, rotation, *ctx.needs_input_grad[:2])
             if grad_x is not None:
                 grad_x = grad_x.reshape(ctx.x_shape)

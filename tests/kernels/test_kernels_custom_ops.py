@@ -51,6 +51,20 @@ def test_opcheck_4bit_ops(device, quantize, nested):
     x = torch.randn(3, 64, device=device, requires_grad=True)
     bias = torch.randn(24, device=device, requires_grad=True)
     torch.library.opcheck(peftplug.nf4_rotate_matmul, (x, _rot(4, 16, device), packed, *flat, bias))
+    torch.library.opcheck(peftplug.nf4_grad_rotated_input, (torch.randn(2, 3, 24, device=device), packed, *flat))
+
+
+@pytest.mark.usefixtures("needs_triton")
+@pytest.mark.parametrize("tokens", [3, 80])  # the fused dY deq(W) kernel (<= 64 tokens), dequantize + matmul above
+def test_nf4_backward_op_matches_reference(device, quantize, tokens):
+    # bf16 activations and blocksize 64 (the W4A16 kernels' smallest K step): layers the fused backward takes.
+    _, packed, state = quantize((32, 128), torch.bfloat16, "nf4", True, device=device, blocksize=64)
+    flat = flatten_quant_state(state)
+    grad = torch.randn(tokens, 32, device=device, dtype=torch.bfloat16)
+    got = peftplug.nf4_grad_rotated_input(grad, packed, *flat)
+    expected = grad.float() @ deq_ref.dequantize_4bit(packed, state).float()
+    assert got.shape == (tokens, 128) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
 def test_flat_quant_state_round_trips(quantize):

@@ -67,6 +67,11 @@ def test_auto_leaves_the_fused_kernel_above_the_token_threshold(load_quantized, 
         "triton" if impl == "auto" else impl, *t, **k))
     monkeypatch.setattr(dispatch_table, "fused_nf4_max_tokens", lambda device: 8)
     assert layer._fused_adapter(torch.randn(1, 1, layer.in_features, device=device)) is None  # not yet refreshed
+    # This layer computes in fp32, which the W4A16 kernels do not take: auto leaves it unfused whatever the table.
+    layer.refresh_kernels()
+    assert layer.kernel_plan("default").fused_max_tokens == 0
+    # Stand in for a layer they take (bf16 would make the interpreter comparison below a bf16 one).
+    monkeypatch.setattr(qoft, "w4a16_unfit", lambda *args: "")
     layer.refresh_kernels()
     small = torch.randn(2, 4, layer.in_features, device=device)
     large = torch.randn(3, 3, layer.in_features, device=device)
