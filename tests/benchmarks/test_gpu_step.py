@@ -96,3 +96,19 @@ def test_the_first_h200_run_imports_with_its_own_numbers(tmp_path):
     assert "Source: `../shared/gpu/2026-12-04-h200/`" in text
     step_report.report(results, page)
     assert page.read_text() == text
+
+
+def test_run_all_runs_its_phases_in_order_with_the_commit(tmp_path):
+    # A stand-in Python records each command line: the step benchmark first (with the commit the machine's copy has
+    # no .git to tell), then the CUDA tests, then the kernel micro-benchmarks without their training rows.
+    stub, log = tmp_path / "python", tmp_path / "calls.txt"
+    stub.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
+    stub.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(stub), "OUT": str(tmp_path / "out"), "PEFTPLUG_COMMIT": "abc1234"}
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu" / "run_all.sh")], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = [line for line in log.read_text().splitlines() if not line.startswith("-c ")]
+    assert calls[0] == f"-m benchmarks.gpu.step --out {tmp_path / 'out'} --budget-s 190 --commit abc1234"
+    assert calls[1].startswith("-m pytest -q -p no:cacheprovider tests/kernels tests/oftv2_bnb")
+    assert f"-m benchmarks.kernels.gpu --skip-training --out {tmp_path / 'out'}" in calls[2:]
