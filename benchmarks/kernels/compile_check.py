@@ -29,15 +29,13 @@ from pathlib import Path
 from benchmarks.common.pages import outputs, render_results, write_json, write_page
 from benchmarks.common.paths import DOCS, results_dir
 from benchmarks.common.provenance import provenance
+from benchmarks.kernels.sm90_compile import compile_sm90
 
 PAGE = DOCS / "kernels_sm90.md"
 RESULTS = results_dir("kernels") / "compile_check.json"
 H200_MULTIPROCESSORS = 132
 SM90_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
-INT_ARGS = ("T", "N", "K", "B", "R", "n", "n_tiles", "n_tiles_n", "k_per_split", "n_per_split", "tokens_per_chunk")
-# Arguments Triton's JIT marks divisible by 16 at a real launch (16-byte aligned tensors, widths and strides that
-# are multiples of 16 at LLM shapes): marking them here makes the compiled code match, vector loads included.
-DIVISIBLE = ("K", "N", "k_per_split", "n_per_split", "tokens_per_chunk")
+
 
 
 def _configs():
@@ -131,48 +129,6 @@ def _w4a16_configs(dtype: str):
         label = (f"w4a16 dX' {dtype} {cfg.block_t}×{cfg.block_n}×{cfg.block_k} split {cfg.split} "
                  f"{cfg.num_warps}w/{cfg.num_stages}s nested=True")
         yield label, w4a16._grad_input_kernel, types, const, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-
-
-def attributes(kernel, const: dict) -> dict:
-    """``tt.divisibility`` hints as Triton's JIT gives them at a real launch (pointers, strides, :data:`DIVISIBLE`).
-
-    Args:
-        kernel: The ``@triton.jit`` function.
-        const: Its constexpr arguments (not hinted).
-    """
-    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-            if name not in const and (name.endswith("_ptr") or name.startswith("stride") or name in DIVISIBLE)}
-
-
-def compile_sm90(kernel, types: dict, const: dict, options: dict):
-    """Compiles one configuration for sm_90 (no GPU needed) and returns Triton's compiled kernel.
-
-    Args:
-        kernel: The ``@triton.jit`` function.
-        types: Pointer/scalar types by argument name.
-        const: Constexpr arguments.
-        options: ``num_warps``, ``num_stages``, ...
-    """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    source = ASTSource(kernel, _signature(kernel, types, const), constexprs=const, attrs=attributes(kernel, const))
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-
-
-def _signature(kernel, types: dict, const: dict) -> dict:
-    sig = {}
-    for name in kernel.arg_names:
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in types:
-            sig[name] = types[name]
-        elif name in INT_ARGS or name.startswith("stride"):
-            sig[name] = "i32"
-        else:
-            raise KeyError(f"{kernel.__name__}: no type for argument {name!r}")
-    return sig
 
 
 def _resources(cubin: bytes) -> dict[str, int]:

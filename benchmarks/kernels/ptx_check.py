@@ -53,7 +53,7 @@ def loop_profile(ptx: str) -> dict:
 
 def _first_kernel_profile(dtype: str) -> dict:
     """Loop profile of the first fused kernel (``code[nibble]`` gathered per element), 16 × 64 tiles, b = 32."""
-    from benchmarks.kernels.compile_check import compile_sm90
+    from benchmarks.kernels.sm90_compile import compile_sm90
     from peftplug_kernels.nf4_rotate_matmul import triton as first
 
     types = {"x_ptr": f"*{dtype}", "r_ptr": "*fp32", "w_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32",
@@ -74,7 +74,7 @@ def findings(dtype: str = "bf16") -> dict:
     Returns:
         ``{"profiles": {label: counts}, "claims": {claim: (ok, why)}}``.
     """
-    from benchmarks.kernels.compile_check import compile_sm90
+    from benchmarks.kernels.sm90_compile import compile_sm90
     from peftplug_kernels.nf4_rotate_matmul import w4a16
 
     types = {"x_ptr": f"*{dtype}", "r_ptr": "*fp32", "w_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32",
