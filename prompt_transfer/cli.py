@@ -143,7 +143,7 @@ def train_sources(recipe: Mapping, out_dir: str | None = None, decompose: bool =
     return summary
 
 
-PROG = "python -m prompt_transfer.cli"
+PROG = "peftplug pct"  # also runs as python -m prompt_transfer.cli
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Command-line arguments (default: ``sys.argv[1:]``).
     """
     def command(args: list[str]) -> int:
-        parser = argparse.ArgumentParser(prog="python -m peftplug.data.lmbff_cli", description=(
+        parser = argparse.ArgumentParser(prog="peftplug kshot", description=(
             "Sample LM-BFF's k-shot splits from the Hugging Face hub copies and write them in LM-BFF's folder "
             f"layout, for data.source: folder (offline). Tasks: {', '.join(HUB_SOURCES)} or catalogue names."))
         parser.add_argument("tasks", nargs="+", help="LM-BFF task folders (SST-2, RTE, ...) or catalogue tasks")
