@@ -19,13 +19,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.common.paths import DOCS
-from benchmarks.gpu import step_report
 from benchmarks.helene.minilm import bench as helene_minilm
 from benchmarks.helene.smollm2 import budget_report as helene_budget
 from benchmarks.helene.smollm2 import cli as helene_smollm2
 from benchmarks.helene.smollm2 import zero_shot
 from benchmarks.kernels import compile_check, gpu
-from benchmarks.oftv2 import conv, cpu, fsdp2_memory, llm_sft, lora_export, overhead_report, qoft
+from benchmarks.oftv2 import (
+    conv,
+    cpu,
+    fsdp2_memory,
+    gpu_step_report,
+    llm_sft,
+    lora_export,
+    overhead_report,
+    qoft,
+)
 from benchmarks.prompt_transfer import minilm as pct_minilm
 from benchmarks.steering import stories260k
 
@@ -40,7 +48,7 @@ RECORD = "a record kept as written (its raw results were lost with runs/); nothi
 PAGES: dict[str, list[tuple[str, Callable[[Path], bool] | str]]] = {
     "oftv2.md": [("oftv2-cpu", lambda d: cpu.report(cpu.RESULTS, d / "oftv2.md")),
                  ("oftv2-conv", lambda d: conv.report(conv.RESULTS, d / "oftv2.md")),
-                 ("oftv2-gpu", lambda d: step_report.report(step_report.RESULTS, d / "oftv2.md"))],
+                 ("oftv2-gpu", lambda d: gpu_step_report.report(gpu_step_report.RESULTS, d / "oftv2.md"))],
     "qoft.md": [("qoft-cpu", lambda d: qoft.report(qoft.RESULTS, d / "qoft.md")),
                 ("qoft-gpu", lambda d: gpu.report(gpu.RESULTS, d / "qoft.md"))],
     "llm_sft.md": [("page", lambda d: llm_sft.report(d / "llm_sft.md"))],

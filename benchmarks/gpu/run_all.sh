@@ -4,7 +4,7 @@
 #   PEFTPLUG_COMMIT=<hash> bash benchmarks/gpu/run_all.sh   # on a CUDA machine (≈ 8 min on one H200; cap 8.5 min)
 #   bash benchmarks/gpu/run_all.sh --dry-run  # same code paths at tiny sizes on CPU (Triton interpreter)
 # Everything is written under $OUT when set (else benchmarks/gpu/out): gpu_step.{json,md}, kernel_tests.txt,
-# gpu_results.{json,md}, run_all.log. Afterwards, locally: python -m benchmarks.gpu.step --merge-docs <gpu_step.json>
+# gpu_results.{json,md}, run_all.log. Afterwards, locally: python -m benchmarks.oftv2.gpu_step --merge-docs <gpu_step.json>
 # and python -m benchmarks.kernels.gpu --merge-docs <that gpu_results.json>.
 # bitsandbytes is not part of every CUDA image: if it does not import and a .whl/ folder of wheels sits at the
 # repository root, they are installed into /tmp/site first (see docs/qoft.md).
@@ -58,7 +58,7 @@ if [ -n "${PEFTPLUG_COMMIT:-}" ]; then COMMIT_ARG=(--commit "$PEFTPLUG_COMMIT");
 status=0
 bench=0
 if [ "$DRY" = 0 ]; then
-  timeout -k 5 220 "$PY" -m benchmarks.gpu.step --out "$OUT_DIR" --budget-s 190 "${COMMIT_ARG[@]}" 2>&1 | tee -a "$LOG"
+  timeout -k 5 220 "$PY" -m benchmarks.oftv2.gpu_step --out "$OUT_DIR" --budget-s 190 "${COMMIT_ARG[@]}" 2>&1 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || bench=1
   # Kernel and QOFT tests on CUDA (compiled kernels, not the interpreter). Bounded: the benchmarks must still run.
   PEFTPLUG_KERNELS_ON_GPU=1 timeout -k 5 90 "$PY" -m pytest -q -p no:cacheprovider tests/kernels tests/oftv2_bnb \
@@ -68,7 +68,7 @@ if [ "$DRY" = 0 ]; then
   timeout -k 5 40 "$PY" -m benchmarks.kernels.gpu --skip-training --out "$OUT_DIR" "${SKIP_BNB[@]}" 2>&1 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || bench=1
 else
-  timeout -k 5 300 "$PY" -m benchmarks.gpu.step --dry-run --out "$OUT_DIR" 2>&1 | tee -a "$LOG"
+  timeout -k 5 300 "$PY" -m benchmarks.oftv2.gpu_step --dry-run --out "$OUT_DIR" 2>&1 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || bench=1
   timeout -k 5 300 "$PY" -m benchmarks.kernels.gpu --dry-run --out "$OUT_DIR" "${SKIP_BNB[@]}" 2>&1 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || bench=1

@@ -1,4 +1,4 @@
-"""benchmarks/gpu/step.py without a GPU: its --dry-run measures every row of the plan on CPU at tiny sizes (eager and
+"""benchmarks/oftv2/gpu_step.py without a GPU: its --dry-run measures every row of the plan on CPU at tiny sizes (eager and
 compiled, bf16's stand-in and NF4), writes the run and its targets; the time budget skips rows; a dry run is never
 merged into the docs; the first H200 run's files become a record whose numbers are exactly those files'."""
 
@@ -20,7 +20,7 @@ SHARED_RUN = REPO.parent / "shared" / "gpu" / "2026-12-04-h200"
 def test_run_all_calls_the_step_benchmark_within_its_time_budget():
     script = (REPO / "benchmarks" / "gpu" / "run_all.sh").read_text()
     subprocess.run(["bash", "-n", str(REPO / "benchmarks" / "gpu" / "run_all.sh")], check=True)
-    assert "-m benchmarks.gpu.step --out" in script and "-m benchmarks.gpu.step --dry-run" in script
+    assert "-m benchmarks.oftv2.gpu_step --out" in script and "-m benchmarks.oftv2.gpu_step --dry-run" in script
     # Every phase of the GPU run is bounded, and the bounds (plus the 150 s reserved for the NF4 sweep) fit 510 s.
     limits = [int(line.split("timeout -k 5 ")[1].split()[0]) for line in script.splitlines()
               if "timeout -k 5 " in line and not line.lstrip().startswith("#") and "--dry-run" not in line]
@@ -30,7 +30,8 @@ def test_run_all_calls_the_step_benchmark_within_its_time_budget():
 
 def test_dry_run_measures_every_row_and_checks_the_targets(tmp_path, capsys):
     pytest.importorskip("bitsandbytes")
-    from benchmarks.gpu import step, step_report
+    from benchmarks.oftv2 import gpu_step as step
+    from benchmarks.oftv2 import gpu_step_report as step_report
 
     record = step.main(["--dry-run", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "gpu_step.json").read_text())
@@ -58,7 +59,8 @@ def test_dry_run_measures_every_row_and_checks_the_targets(tmp_path, capsys):
 
 
 def test_budget_skips_the_rows_that_do_not_fit(tmp_path):
-    from benchmarks.gpu import step, step_report
+    from benchmarks.oftv2 import gpu_step as step
+    from benchmarks.oftv2 import gpu_step_report as step_report
 
     record = step.main(["--dry-run", "--budget-s", "0", "--out", str(tmp_path)])
     assert all(r["skipped"].startswith("time budget") for r in record["rows"])
@@ -70,7 +72,7 @@ def test_budget_skips_the_rows_that_do_not_fit(tmp_path):
 
 @pytest.mark.skipif(not SHARED_RUN.is_dir(), reason="../shared/gpu/2026-12-04-h200 is not beside this checkout")
 def test_the_first_h200_run_imports_with_its_own_numbers(tmp_path):
-    from benchmarks.gpu import step_report
+    from benchmarks.oftv2 import gpu_step_report as step_report
 
     record = step_report.import_shared(SHARED_RUN)
     rows = {(r["shape"], r["quant"], r["method"], r["mode"]): r for r in record["rows"]}
@@ -109,6 +111,6 @@ def test_run_all_runs_its_phases_in_order_with_the_commit(tmp_path):
                           text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     calls = [line for line in log.read_text().splitlines() if not line.startswith("-c ")]
-    assert calls[0] == f"-m benchmarks.gpu.step --out {tmp_path / 'out'} --budget-s 190 --commit abc1234"
+    assert calls[0] == f"-m benchmarks.oftv2.gpu_step --out {tmp_path / 'out'} --budget-s 190 --commit abc1234"
     assert calls[1].startswith("-m pytest -q -p no:cacheprovider tests/kernels tests/oftv2_bnb")
     assert f"-m benchmarks.kernels.gpu --skip-training --out {tmp_path / 'out'}" in calls[2:]

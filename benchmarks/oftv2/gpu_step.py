@@ -16,11 +16,11 @@ rewritten after every row, so a run cut short keeps what it measured. ``--dry-ru
 at tiny sizes (fp32, dynamo's ``eager`` backend): CI runs it. Needs torch, transformers, peft and (for NF4)
 bitsandbytes; not jsonargparse or datasets.
 
-Run: ``python -m benchmarks.gpu.step --out DIR`` (``bash benchmarks/gpu/run_all.sh`` does) writes
+Run: ``python -m benchmarks.oftv2.gpu_step --out DIR`` (``bash benchmarks/gpu/run_all.sh`` does) writes
 ``DIR/gpu_step.json`` and ``DIR/gpu_step.md`` and prints each target met / not met; afterwards, locally,
-``python -m benchmarks.gpu.step --merge-docs DIR/gpu_step.json`` commits the run under ``benchmarks/gpu/results/``
+``python -m benchmarks.oftv2.gpu_step --merge-docs DIR/gpu_step.json`` commits the run under ``benchmarks/oftv2/results/gpu_step/``
 and renders the ``oftv2-gpu`` section of docs/benchmarks/oftv2.md from every committed run
-(:mod:`benchmarks.gpu.step_report`).
+(:mod:`benchmarks.oftv2.gpu_step_report`).
 """
 
 from __future__ import annotations
@@ -321,7 +321,7 @@ def main(argv=None) -> dict | None:
     Args:
         argv: Command-line arguments.
     """
-    from benchmarks.gpu import step_report
+    from benchmarks.oftv2 import gpu_step_report as step_report
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU: the same code paths, for CI")
@@ -347,7 +347,7 @@ def main(argv=None) -> dict | None:
 
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
-        print("benchmarks.gpu.step: torch sees no CUDA device (use --dry-run on a CPU)", file=sys.stderr)
+        print("benchmarks.oftv2.gpu_step: torch sees no CUDA device (use --dry-run on a CPU)", file=sys.stderr)
         raise SystemExit(2)
     settings = {"shapes": DRY_SHAPES if args.dry_run else SHAPES, "batch": 1 if args.dry_run else 4,
                 "seq": 16 if args.dry_run else 1024, "warmup": args.warmup or (1 if args.dry_run else 3),
