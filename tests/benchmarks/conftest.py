@@ -6,9 +6,9 @@ import pytest
 import torch
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def keep_threads():
-    """The benchmarks pin torch's thread count; the rest of the suite gets its own back."""
+    """The benchmarks pin torch's thread count; every test here gives the rest of the suite its own back."""
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)

@@ -7,17 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-@pytest.fixture(autouse=True)
-def keep_threads():
-    """The benchmarks pin torch's thread count; the rest of the suite gets its own back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def _rerendered(page, report) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.usefixtures("keep_threads")]
+pytestmark = pytest.mark.filterwarnings("ignore")
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED_RUN = REPO.parent / "shared" / "gpu" / "2026-12-04-h200"

@@ -14,14 +14,6 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 DOC = "# OFTv2\n\n## Serving as LoRA\n\ntext\n\n<!-- oftv2-lora-export:begin -->\nstale table\n<!-- oftv2-lora-export:end -->\n\n## Next\n"
 
 
-@pytest.fixture(autouse=True)
-def keep_threads():
-    """The benchmark pins torch's thread count; the rest of the suite gets its own back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
     """The quickstart recipe (OFTv2 b=32 on every linear layer, BBC News chat) for 3 steps on the tiny Llama."""

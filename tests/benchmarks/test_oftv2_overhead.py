@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.usefixtures("keep_threads")]
+pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def test_kernel_count_of_a_frozen_linear_layer_is_the_hand_count():
