@@ -37,3 +37,23 @@ def interleaved(methods: Sequence[str], step: Callable[[str], Any], rounds: int,
         for method in order:
             times[method].extend(step(method) for _ in range(steps_per_round))
     return times
+
+
+def lm_train_step(model: Any, optimizer: Any, ids: Any) -> Any:
+    """One causal-LM training step on ``ids`` (labels = inputs): forward, backward, optimizer step, grads freed.
+
+    The step every training-time benchmark times; callers add their own clocks and synchronisation around it.
+
+    Args:
+        model: A Hugging Face causal LM (possibly wrapped by PEFT or ``torch.compile``).
+        optimizer: Its optimizer.
+        ids: ``[batch, seq]`` token ids.
+
+    Returns:
+        The step's loss (a tensor, not synchronised).
+    """
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss

@@ -32,6 +32,7 @@ from pathlib import Path
 from benchmarks.common.llama import TARGETS, quantize_linears_
 from benchmarks.common.pages import read_json, render_results, write_json, write_page, write_section
 from benchmarks.common.paths import DOCS, REPO, results_dir
+from benchmarks.common.timing import lm_train_step
 
 PAGE = DOCS / "qoft.md"
 SECTION = "qoft-gpu"
@@ -254,11 +255,7 @@ def _time_training(model, ids, cfg: dict, device: str) -> dict:
     optim = torch.optim.AdamW(params, lr=1e-5)
 
     def step():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        return loss
+        return lm_train_step(model, optim, ids)
 
     for _ in range(cfg["warmup"]):
         step()

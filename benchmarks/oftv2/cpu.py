@@ -44,7 +44,7 @@ from benchmarks.common.pages import (
 )
 from benchmarks.common.paths import DOCS, results_dir
 from benchmarks.common.provenance import provenance, provenance_line
-from benchmarks.common.timing import interleaved
+from benchmarks.common.timing import interleaved, lm_train_step
 
 METHODS = ("OFTv2", "PEFT OFT", "LoRA r=8", "LoRA r=16", "weight-centric OFT", "full FT")
 PAGE = DOCS / "oftv2.md"
@@ -169,10 +169,7 @@ def measure(widths, layers, vocab, batch, seq, block, terms, rounds, steps_per_r
         def step(method, models=models, optims=optims, tokens=tokens):
             model, opt = models[method], optims[method]
             start, start_cpu = time.perf_counter(), time.process_time()
-            loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            lm_train_step(model, opt, tokens)
             return time.process_time() - start_cpu, time.perf_counter() - start
 
         times = interleaved(METHODS, step, rounds, steps_per_round, warmup)

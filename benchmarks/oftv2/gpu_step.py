@@ -37,6 +37,7 @@ from pathlib import Path
 from benchmarks.common.llama import TARGETS, llama_of_shape, quantize_linears_
 from benchmarks.common.pages import write_json, write_page
 from benchmarks.common.provenance import git_commit
+from benchmarks.common.timing import lm_train_step
 
 SHAPES = {
     "1.1B": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
@@ -196,11 +197,7 @@ def measure_row(row: Row, settings: dict, device: str) -> dict:
             torch.cuda.synchronize()
 
     def step():
-        loss = run(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        return loss
+        return lm_train_step(run, optim, ids)
 
     start = time.perf_counter()
     step()

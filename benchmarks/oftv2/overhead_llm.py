@@ -17,7 +17,7 @@ import time
 import torch
 
 from benchmarks.common.provenance import provenance
-from benchmarks.common.timing import interleaved
+from benchmarks.common.timing import interleaved, lm_train_step
 from benchmarks.oftv2.overhead_ops import dynamo_stats, reset_dynamo_stats
 
 MODEL = "smollm2-135m-instruct"
@@ -78,10 +78,7 @@ def run(args, code_paths: tuple[str, ...]) -> dict:
     def step(config: str) -> tuple[float, float]:
         model, opt = steps[config]
         start, start_cpu = time.perf_counter(), time.process_time()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        lm_train_step(model, opt, ids)
         return time.process_time() - start_cpu, time.perf_counter() - start
 
     for config in CONFIGS:
