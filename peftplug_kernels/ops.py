@@ -80,7 +80,10 @@ def _resolved(impl: str, op: str, *tensors: torch.Tensor) -> str:
     """``resolve_impl`` without its checks for an already-resolved ``impl`` (the per-call hot path)."""
     if impl == "torch":
         return impl
-    if impl == "triton" and (torch.compiler.is_compiling() or (op, tensors[0].is_cuda) in _TRITON_OK):
+    # Every tensor on CUDA, not only the first: a CPU rotation or bias beside CUDA activations must still get
+    # resolve_impl's error, not a kernel launched on a host pointer.
+    if impl == "triton" and (torch.compiler.is_compiling()
+                             or ((op, True) in _TRITON_OK and all(t.is_cuda for t in tensors))):
         return impl
     return resolve_impl(impl, *tensors, op=op)
 

@@ -93,7 +93,11 @@ def cached_state(quant_state, device: torch.device) -> KernelQuantState:
         quant_state: A bitsandbytes ``QuantState`` (read by attribute).
         device: Where the kernel runs.
     """
-    key = (str(device), quant_state.absmax.data_ptr(), quant_state.absmax._version)
+    # Stale when the scales or the double-quant offset are replaced or changed in place (a requantize builds a new
+    # state anyway); writes through ``.data`` bump no version and are not seen.
+    offset = getattr(quant_state, "offset", None)
+    key = (str(device), quant_state.absmax.data_ptr(), quant_state.absmax._version,
+           (offset.data_ptr(), offset._version) if isinstance(offset, torch.Tensor) else offset)
     cached = getattr(quant_state, "_peftplug_kernel_state", None)
     if cached is None or cached[0] != key:
         cached = (key, kernel_quant_state(quant_state, device))

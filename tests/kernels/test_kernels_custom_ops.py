@@ -189,3 +189,15 @@ def test_offset_read_once_per_tensor_version(quantize):
     with torch.no_grad():
         state.offset.add_(1.0)
     assert deq_ref.kernel_quant_state(state, state.absmax.device).offset == pytest.approx(first + 1.0)
+
+
+@pytest.mark.usefixtures("needs_triton")
+def test_kernel_state_cache_follows_an_in_place_offset_change(quantize):
+    # The per-state cache the Triton kernels read sits in front of the offset read above: it must go stale too.
+    from peftplug_kernels.nf4_dequantize.tile import cached_state
+
+    _, _, state = quantize((8, 64), torch.float32, "nf4", True)
+    first = cached_state(state, state.absmax.device).offset
+    with torch.no_grad():
+        state.offset.add_(1.0)
+    assert cached_state(state, state.absmax.device).offset == pytest.approx(first + 1.0)
