@@ -15,7 +15,8 @@ of the run at a learning rate climbing back up or stuck at 0. :func:`build_lr_sc
 - refuses, in one :class:`~peftplug.errors.ConfigError` line naming both numbers, a fixed length shorter than the
   run when the schedule cannot go on past it (table :data:`OUTRUN`) — before the first training step;
 - turns ``OneCycleLR``'s momentum cycling off for an optimizer that has no momentum to cycle (the zeroth-order
-  ones, plain SGD): torch refuses that combination although the learning-rate schedule is all that matters there.
+  ones): torch refuses that combination (and would cycle a zeroth-order optimizer's betas) although the learning-rate
+  schedule is all that matters there.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ def run_length(trainer: Any, interval: str = "step", zeroth_order: bool = False)
         zeroth_order: Zeroth-order training steps the scheduler once per optimizer step whatever the interval.
     """
     steps = trainer.estimated_stepping_batches  # loads the train dataloader if it is not yet (Lightning's)
+    if steps < 0:
+        steps = math.inf  # Lightning returns max_steps (-1) for an endless dataset without a step limit
     batches = trainer.num_training_batches
     per_epoch = math.ceil(batches / trainer.accumulate_grad_batches) if math.isfinite(batches) else math.inf
     limit = "trainer.max_steps" if trainer.max_steps != -1 and steps == trainer.max_steps else None
@@ -131,7 +134,7 @@ def _has_momentum(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _fill_in(cls: type, kwargs: dict[str, Any], optimizer: torch.optim.Optimizer, run: RunLength,
-             field: str) -> dict[str, Any]:
+             field: str, zeroth_order: bool = False) -> dict[str, Any]:
     """The arguments :func:`build_lr_scheduler` adds to a recipe's scheduler (lengths left null, OneCycleLR's
     ``max_lr`` and ``cycle_momentum``)."""
     fill: dict[str, Any] = {}
@@ -144,8 +147,10 @@ def _fill_in(cls: type, kwargs: dict[str, Any], optimizer: torch.optim.Optimizer
         fill[name] = int(run.length)
     if one_cycle:
         _check_peak(kwargs.get("max_lr"), optimizer, field)
-        if kwargs.get("cycle_momentum", True) and not _has_momentum(optimizer):
-            fill["cycle_momentum"] = False  # torch refuses it; the LR cycle is unaffected
+        if kwargs.get("cycle_momentum", True) and (zeroth_order or not _has_momentum(optimizer)):
+            # torch refuses it without momentum; a zeroth-order optimizer's betas (HELENE's β1 drives its annealed
+            # momentum) are not a first-order momentum to cycle. The LR cycle is unaffected.
+            fill["cycle_momentum"] = False
     return fill
 
 
@@ -206,7 +211,7 @@ def build_lr_scheduler(factory: Callable[..., Any], optimizer: torch.optim.Optim
     cls, kwargs = _factory_class(factory)
     needs_run = cls is not None and (issubclass(cls, tuple(LENGTH_ARGUMENTS)) or issubclass(cls, tuple(OUTRUN)))
     run = run_length(trainer, interval, zeroth_order) if cls is None or needs_run else None
-    fill = _fill_in(cls, kwargs, optimizer, run, field) if cls is not None and run is not None else {}
+    fill = _fill_in(cls, kwargs, optimizer, run, field, zeroth_order) if cls is not None and run is not None else {}
     scheduler = factory(optimizer, **fill)
     if run is not None:
         check_length(scheduler, run, field)

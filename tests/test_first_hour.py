@@ -163,14 +163,17 @@ def test_both_flag_spellings_are_accepted(capsys):
         assert "adapter folder '/no/such' does not exist" in line
 
 
-def test_zeroth_order_on_the_quickstart_works_out_of_the_box(tmp_path):
-    """FZOO with the quickstart's OneCycleLR (which torch refuses for an optimizer without momentum when
-    cycle_momentum is on): the schedule runs, at the recipe's lr."""
+@pytest.mark.parametrize("optimizer", ["FZOO", "ZOAdam"])
+def test_zeroth_order_on_the_quickstart_works_out_of_the_box(tmp_path, optimizer):
+    """Zeroth-order optimizers with the quickstart's OneCycleLR: the schedule runs, at the recipe's lr, without
+    cycling momentum — torch refuses that for FZOO (no momentum), and would overwrite ZO-Adam's β1 (it has betas)."""
     run = cli(["fit", "--config", str(QUICKSTART), *TINY, "--trainer.max_steps", "2",
-               "--trainer.default_root_dir", str(tmp_path), "--model.optimizer", "helene.FZOO"])
+               "--trainer.default_root_dir", str(tmp_path), "--model.optimizer", f"helene.{optimizer}"])
     scheduler = run.trainer.lr_scheduler_configs[0].scheduler
     assert run.trainer.global_step == 2 and scheduler.total_steps == 2 and not scheduler.cycle_momentum
-    assert run.model.optimizers().optimizer.__class__.__name__ == "FZOO"
+    opt = run.model.optimizers().optimizer
+    assert opt.__class__.__name__ == optimizer
+    assert all(group.get("betas", (0.9,))[0] == 0.9 for group in opt.param_groups)
 
 
 def test_the_quickstart_trains_on_more_own_chats_than_its_former_schedule(tmp_path, capsys):
