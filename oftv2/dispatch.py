@@ -65,7 +65,7 @@ def plan_kernels(settings: Any, block_size: int, q_param: torch.Tensor) -> Kerne
         block_size: Its rotation block size.
         q_param: Its skew parameters (their device decides ``"auto"``).
     """
-    cayley_fits = settings.form != "cayley" and 2 <= block_size <= ops.CN_TRITON_MAX_BLOCK
+    cayley_fits = ops.cn_kernel_fits(settings.form, block_size)
     return KernelPlan(
         settings=settings,
         device=q_param.device,

@@ -41,6 +41,16 @@ _TABLE_OP = {"nf4_dequantize": "dequantize_4bit"}
 _TRITON_OK: set[tuple[str, bool]] = set()
 
 
+def cn_kernel_fits(form: str, block_size: int) -> bool:
+    """Whether the Triton Cayley–Neumann kernel takes this form and block size (the exact form needs a solve).
+
+    Args:
+        form: ``"cayley_neumann"``, ``"cayley"`` or ``"peft_cn"``.
+        block_size: b.
+    """
+    return form != "cayley" and 2 <= block_size <= CN_TRITON_MAX_BLOCK
+
+
 def _check_impl(impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -112,7 +122,7 @@ def cayley_neumann(
             f"q_vec must be [n_blocks, {_cn_ref.triangle_size(block_size)}] for block_size {block_size}, "
             f"got {tuple(q_vec.shape)}"
         )
-    kernel_fits = form != "cayley" and 2 <= block_size <= CN_TRITON_MAX_BLOCK
+    kernel_fits = cn_kernel_fits(form, block_size)
     if impl == "triton" and not kernel_fits:
         raise ValueError(
             f"the Triton Cayley-Neumann kernel supports forms 'cayley_neumann'/'peft_cn' and block_size in "

@@ -20,8 +20,6 @@ in fp32. Neither x R nor deq(W) is ever written to memory. Formats: see ``refere
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -37,6 +35,7 @@ from peftplug_kernels.nf4_rotate_matmul.w4a16 import (  # noqa: F401  (re-export
     GEMM_CANDIDATES,
     GRAD_CANDIDATES,
     W4A16Config,
+    _multiprocessors,
     forward_config,
     fused_forward,
     grad_config,
@@ -133,11 +132,6 @@ def gpu_launch(bb: int, half: bool) -> tuple[int, int, int, int]:
         half: Whether the inputs are fp16/bf16 (half-precision main dot).
     """
     return _GPU_LAUNCH[(max(32, bb), half)]
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def rotate_dequant_matmul(x2: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, quant_state,
