@@ -26,6 +26,7 @@ from torch import nn
 
 from peftplug_kernels import ops
 from peftplug_kernels.cayley_neumann.reference import triangle_size
+from peftplug_kernels.cayley_rotate.reference import drop_blocks
 
 from .adapter_params import AdapterParameterDict
 from .config import OFTv2Config
@@ -267,6 +268,35 @@ class OFTv2Layer(BaseTunerLayer):
         """
         return bound_q(self.oftv2_Q[adapter_name], self.oftv2_settings[adapter_name].max_q_norm)
 
+    def _series_input(self, adapter_name: str) -> torch.Tensor:
+        """The triangles the series reads: bounded by ``max_q_norm``, in fp32 at least.
+
+        Half-precision skew parameters (a bf16 model, or TRL casting a quantized model's adapter to bf16) give the
+        series and the rotation in fp32, as the fused kernel computes inside: powers of Q in bf16 lose ~2e-3 per
+        entry, and an fp32 rotation is exactly what the saved adapter computes once PEFT reloads it in fp32. Every
+        consumer casts the blocks to its own compute dtype.
+
+        Args:
+            adapter_name: Name of the adapter.
+        """
+        q_vec = self.effective_q(adapter_name)
+        return q_vec.float() if q_vec.dtype in (torch.float16, torch.bfloat16) else q_vec
+
+    def _block_keep(self, adapter_name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """Block-dropout mask ``[n_blocks, 1, 1]`` (1 keeps a block, 0 replaces it by ``I``), or ``None`` when the
+        adapter has no dropout.
+
+        Args:
+            adapter_name: Name of the adapter.
+            dtype: The mask's dtype (the series').
+            device: Its device.
+        """
+        p = self.oftv2_settings[adapter_name].dropout
+        if p <= 0.0:
+            return None
+        drop = torch.rand(self.oftv2_n_blocks[adapter_name], 1, 1, device=device) < p
+        return (~drop).to(dtype)
+
     def get_rotation(self, adapter_name: str, apply_dropout: bool = False) -> torch.Tensor:
         """Rotation blocks of one adapter, ``[n_blocks, b, b]`` (``[1, b, b]`` when shared and not dropped).
 
@@ -278,25 +308,19 @@ class OFTv2Layer(BaseTunerLayer):
         """
         settings = self.oftv2_settings[adapter_name]
         b = self.oftv2_block_size[adapter_name]
+        q_vec = self._series_input(adapter_name)
         impl = self.kernel_plan(adapter_name).cayley
-        q_vec = self.effective_q(adapter_name)
-        if q_vec.dtype in (torch.float16, torch.bfloat16):
-            # Half-precision skew parameters (a bf16 model, or TRL casting a quantized model's adapter to bf16):
-            # the series and the rotation in fp32, as the fused kernel computes inside. Powers of Q in bf16 lose
-            # ~2e-3 per entry, and an fp32 rotation is exactly what the saved adapter computes once PEFT reloads it
-            # in fp32. Every consumer casts the blocks to its own compute dtype.
-            q_vec = q_vec.float()
         rotation = ops.cayley_neumann(q_vec, b, terms=settings.terms, form=settings.form, impl=impl)
-        if apply_dropout and settings.dropout > 0.0:
-            n_blocks = self.oftv2_n_blocks[adapter_name]
-            rotation = rotation.expand(n_blocks, b, b)
-            drop = torch.rand(n_blocks, 1, 1, device=rotation.device) < settings.dropout
-            eye = torch.eye(b, dtype=rotation.dtype, device=rotation.device)
-            rotation = torch.where(drop, eye, rotation)
+        if apply_dropout:
+            keep = self._block_keep(adapter_name, rotation.dtype, rotation.device)
+            rotation = drop_blocks(rotation, keep, self.oftv2_n_blocks[adapter_name])
         return rotation
 
     def rotate_input(self, x: torch.Tensor) -> torch.Tensor:
         """``x R₁ … Rₙ`` over the active adapters of this layer (dropout in training mode).
+
+        Each adapter's series and rotation run as one op (``ops.cayley_rotate``: on the torch path one autograd
+        Function with a hand-written backward, the fewest kernel calls per layer).
 
         Args:
             x: ``[..., in_features]``.
@@ -304,8 +328,14 @@ class OFTv2Layer(BaseTunerLayer):
         for name in self.active_adapters:
             if name not in self.oftv2_Q:
                 continue
-            rotation = self.get_rotation(name, apply_dropout=self.training)
-            x = ops.block_rotate(x, rotation, impl=self.kernel_plan(name).rotate)
+            settings = self.oftv2_settings[name]
+            plan = self.kernel_plan(name)
+            q_vec = self._series_input(name)
+            keep = self._block_keep(name, q_vec.dtype, q_vec.device) if self.training else None
+            x = ops.cayley_rotate(
+                x, q_vec, self.oftv2_block_size[name], terms=settings.terms, form=settings.form, keep=keep,
+                cayley_impl=plan.cayley, rotate_impl=plan.rotate,
+            )
         return x
 
     def adapters_bypassed(self) -> bool:

@@ -23,6 +23,8 @@ from peftplug_kernels import dispatch_table, library
 from peftplug_kernels._triton_available import triton_available, triton_usable
 from peftplug_kernels.block_rotate import reference as _rotate_ref
 from peftplug_kernels.cayley_neumann import reference as _cn_ref
+from peftplug_kernels.cayley_rotate import function as _lean
+from peftplug_kernels.cayley_rotate import reference as _cr_ref
 from peftplug_kernels.nf4_dequantize import reference as _deq_ref
 from peftplug_kernels.nf4_rotate_matmul import reference as _nf4_ref
 
@@ -157,6 +159,50 @@ def block_rotate(x: torch.Tensor, rotation: torch.Tensor, impl: str = "auto") ->
     if _resolved(impl, "block_rotate", x, rotation) == "triton":
         return library.block_rotate(x, rotation)
     return _rotate_ref.block_rotate(x, rotation)
+
+
+def cayley_rotate(
+    x: torch.Tensor,
+    q_vec: torch.Tensor,
+    block_size: int,
+    terms: int = 5,
+    form: str = "cayley_neumann",
+    keep: torch.Tensor | None = None,
+    cayley_impl: str = "auto",
+    rotate_impl: str = "auto",
+) -> torch.Tensor:
+    """``x R`` block-wise, ``R`` the rotation blocks of the triangles ``q_vec``: an OFTv2 layer's input rotation.
+
+    With both implementations ``"torch"`` and a form :func:`peftplug_kernels.cayley_rotate.function.supports`
+    (the default Taylor form, 2–5 terms), one autograd Function computes the series and the rotation in 5 calls
+    forward and 7 backward; otherwise :func:`cayley_neumann` and :func:`block_rotate` run one after the other
+    (the Triton kernels, or the references).
+
+    Args:
+        x: ``[..., n_blocks · b]``.
+        q_vec: ``[n_blocks, b(b-1)/2]`` triangles, or ``[1, b(b-1)/2]`` for a block shared across the width.
+        block_size: b.
+        terms: Series length n of the Neumann forms.
+        form: ``"cayley_neumann"``, ``"cayley"`` or ``"peft_cn"``.
+        keep: ``None``, or a ``[n_blocks, 1, 1]`` 0/1 mask in ``q_vec``'s dtype (block dropout: 0 means ``R = I``).
+        cayley_impl: Implementation of the series (see module docstring).
+        rotate_impl: Implementation of the rotation.
+    """
+    width = x.shape[-1]
+    rows = q_vec.shape[0]
+    if width % block_size != 0 or rows not in (1, width // block_size):
+        raise ValueError(
+            f"{rows} blocks of size {block_size} do not fit input width {width} (rows must be 1 or width / block_size)"
+        )
+    if cayley_impl == "torch" and rotate_impl == "torch" and _lean.supports(form, terms):
+        if q_vec.dim() != 2 or q_vec.shape[-1] != _cn_ref.triangle_size(block_size):
+            raise ValueError(
+                f"q_vec must be [n_blocks, {_cn_ref.triangle_size(block_size)}] for block_size {block_size}, "
+                f"got {tuple(q_vec.shape)}"
+            )
+        return _lean.CayleyRotateFunction.apply(x, q_vec, block_size, terms, keep)
+    rotation = cayley_neumann(q_vec, block_size, terms=terms, form=form, impl=cayley_impl)
+    return block_rotate(x, _cr_ref.drop_blocks(rotation, keep, width // block_size), impl=rotate_impl)
 
 
 def nf4_kernel_unfit(block_size: int, weight_shape: tuple[int, ...]) -> str:

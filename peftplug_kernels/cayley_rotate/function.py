@@ -1,0 +1,273 @@
+"""Cayley–Neumann rotation and block rotation in one autograd Function: the torch path of an OFTv2 layer, in few ops.
+
+An OFTv2 layer computes, on every forward, ``x' = x R`` with ``R = I + 2 S`` and ``S = Q + Q² + … + Q^m`` (the
+Taylor form with ``terms = m + 1``) from the strict upper triangles ``q`` of the skew blocks ``Q``. Composed from
+the two reference functions (``cayley_neumann/reference.py``, ``block_rotate/reference.py``) under autograd that is
+14 kernel calls forward and ~23 backward per layer (docs/benchmarks/oftv2_overhead.md): index_put for the skew
+matrix, an identity, one ``bmm`` and one ``add`` per power, the rotation and a copy, then autograd's backward of
+each. Here the same mathematics runs in the fewest calls we found, with a hand-written backward:
+
+forward (m = 4, the default ``neumann_terms=5``)::
+
+    Q = q[:, gather] · sign     index_select and mul with constant tables (the skew matrix, exact)
+    A = Q + Q·Q                 baddbmm
+    B = I + Q·Q                 baddbmm       (symmetric: (Q²)ᵀ = (Qᵀ)² = Q²)
+    S = A·B = Q + Q² + Q³ + Q⁴  bmm
+    x' = x + 2 x S              baddbmm (+ one copy back to token-major layout; none when one block spans x)
+
+backward, with ``Qᵀ = -Q``::
+
+    gx = g + 2 g Sᵀ             baddbmm (+ the layout copy)
+    G  = 2 xᵀ g                 baddbmm (beta=0)  (dL/dS)
+    gA = G Bᵀ ; H = gA + Aᵀ G   bmm, baddbmm  (H = gA + gB)
+    gQ = gA - H Q - Q H         two baddbmm
+    gq = (gQ - gQᵀ)[triu]       sub and index_select
+
+That is 7 calls forward and 9 backward for the adapter, where the composed references made ~35 (the base layer
+adds its own); LoRA r16 adds 12 (docs/benchmarks/oftv2_overhead.md has the counts). A dense ±1 matrix would unpack
+in one mm and pack in one, but it costs b⁴/2 multiply-adds per block (16× a power of Q at b = 32): measured slower.
+Fewer powers (``terms`` 2–4) use shorter programs of the same kind. Block dropout multiplies ``S`` by a keep mask
+(a dropped block has ``S = 0``, i.e. ``R = I``). Half-precision inputs are rotated in fp32 and rounded once, as the
+reference and the Triton kernel do.
+
+Only the Taylor form with 2–5 terms has a program here (:func:`supports`); the exact Cayley map, PEFT's product form
+and longer series run the composition of the references (``peftplug_kernels.cayley_rotate.reference``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+#: Highest number of series terms (``neumann_terms``) with a program here: powers up to Q⁴.
+MAX_TERMS = 5
+
+
+def compile_constant(fn):
+    """Marks ``fn`` as returning a constant under ``torch.compile`` (dynamo bakes its result into the graph).
+
+    What ``torch.compiler.assume_constant_result`` does (it sets this attribute), without importing ``torch._dynamo``
+    when this module is imported: dynamo imports Triton, and ``peftplug_kernels.ops`` must import without it
+    (``tests/kernels/test_kernels_cayley_rotate.py`` checks that both mark a function the same way).
+
+    Args:
+        fn: A function of Python constants (block size, device, dtype) returning a cached tensor.
+    """
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+def supports(form: str, terms: int) -> bool:
+    """Whether :class:`CayleyRotateFunction` computes this form and series length.
+
+    Args:
+        form: ``"cayley_neumann"``, ``"cayley"`` or ``"peft_cn"``.
+        terms: Series length n (highest power n - 1).
+    """
+    return form == "cayley_neumann" and 2 <= terms <= MAX_TERMS
+
+
+@compile_constant
+def skew_gather(block_size: int, device: torch.device) -> torch.Tensor:
+    """Index ``[b·b]`` into a triangle vector for every entry of the flattened skew matrix (0 on the diagonal).
+
+    ``vec(Q) = q[:, skew_gather(b)] · skew_sign(b)``: one gather and one multiply, where a zero fill, an index_put and
+    a subtraction (and their backward) ran before. Cached per block size and device; a constant under
+    ``torch.compile``.
+
+    Args:
+        block_size: b.
+        device: Where the index lives.
+    """
+    return _skew_tables(block_size, device)[0]
+
+
+@compile_constant
+def skew_sign(block_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[b·b]`` signs of :func:`skew_gather`'s entries: +1 above the diagonal, -1 below, 0 on it.
+
+    Args:
+        block_size: b.
+        device: Where the signs live.
+        dtype: Their dtype (that of the triangles).
+    """
+    return _skew_sign(block_size, device, dtype)
+
+
+@compile_constant
+def triangle_positions(block_size: int, device: torch.device) -> torch.Tensor:
+    """Flat positions ``i·b + j`` of the strict upper triangle, in ``triu_indices`` order (packs a gradient).
+
+    Args:
+        block_size: b.
+        device: Where the index lives.
+    """
+    return _skew_tables(block_size, device)[1]
+
+
+@compile_constant
+def identity(block_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A cached ``b × b`` identity (one fewer kernel call per layer and forward than ``torch.eye``).
+
+    Args:
+        block_size: b.
+        device: Where it lives.
+        dtype: Its dtype.
+    """
+    return _identity(block_size, device, dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _identity(block_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    with torch.inference_mode(False):
+        return torch.eye(block_size, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=32)
+def _skew_tables(block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # Built outside inference mode: an inference tensor in the cache could not be saved for a later backward.
+    with torch.inference_mode(False):
+        rows, cols = torch.triu_indices(block_size, block_size, 1, device=device)
+        t = torch.arange(rows.numel(), device=device)
+        gather = torch.zeros(block_size * block_size, dtype=torch.long, device=device)
+        gather[rows * block_size + cols] = t
+        gather[cols * block_size + rows] = t
+        return gather, rows * block_size + cols
+
+
+@functools.lru_cache(maxsize=32)
+def _skew_sign(block_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    with torch.inference_mode(False):
+        rows, cols = torch.triu_indices(block_size, block_size, 1, device=device)
+        sign = torch.zeros(block_size * block_size, dtype=dtype, device=device)
+        sign[rows * block_size + cols] = 1.0
+        sign[cols * block_size + rows] = -1.0
+        return sign
+
+
+def _series(q: torch.Tensor, powers: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """``S = Q + … + Q^powers`` for ``[n, b, b]`` blocks, and what :func:`_series_grad` needs."""
+    if powers == 1:
+        return q, ()
+    a = torch.baddbmm(q, q, q)  # Q + Q²
+    if powers == 2:
+        return a, ()
+    if powers == 3:
+        return torch.baddbmm(q, q, a), (a,)  # Q + Q(Q + Q²)
+    b = torch.baddbmm(identity(q.shape[-1], q.device, q.dtype).expand_as(q), q, q)  # I + Q²
+    return torch.bmm(a, b), (a, b)  # (Q + Q²)(I + Q²)
+
+
+def _series_grad(g: torch.Tensor, q: torch.Tensor, powers: int, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """dL/dQ from dL/dS for :func:`_series`, using ``Qᵀ = -Q`` (the caller projects it onto the triangle)."""
+    if powers == 1:
+        return g
+    if powers == 2:  # S = Q + QQ: gQ = G + G Qᵀ + Qᵀ G
+        return torch.baddbmm(torch.baddbmm(g, g, q, alpha=-1), q, g, alpha=-1)
+    if powers == 3:  # S = Q + Q A, A = Q + QQ
+        (a,) = saved
+        grad_a = torch.baddbmm(g, q, g, beta=0, alpha=-1)  # Qᵀ G
+        grad_q = torch.baddbmm(g + grad_a, g, a.transpose(-1, -2))
+        return torch.baddbmm(torch.baddbmm(grad_q, grad_a, q, alpha=-1), q, grad_a, alpha=-1)
+    a, b = saved  # S = A B, A = Q + QQ, B = I + QQ
+    grad_a = torch.bmm(g, b.transpose(-1, -2))
+    h = torch.baddbmm(grad_a, a.transpose(-1, -2), g)  # gA + gB
+    return torch.baddbmm(torch.baddbmm(grad_a, h, q, alpha=-1), q, h, alpha=-1)
+
+
+def _blocks_first(t: torch.Tensor, n_blocks: int, block_size: int) -> torch.Tensor:
+    """``[..., n·b]`` -> ``[n, tokens, b]`` (a view)."""
+    return t.reshape(-1, n_blocks, block_size).transpose(0, 1)
+
+
+def _token_major(t: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """``[n, tokens, b]`` -> ``shape`` in ``dtype``: layout (and cast) in one copy."""
+    if t.dtype == dtype:
+        return t.transpose(0, 1).reshape(shape)
+    out = torch.empty(shape, dtype=dtype, device=t.device)
+    out.view(-1, t.shape[0], t.shape[2]).transpose(0, 1).copy_(t)
+    return out
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # A no-op ``Tensor.to`` still costs a dispatcher call; every forward of every layer makes several.
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _rotate(x: torch.Tensor, s: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """``x + 2 x S`` block-wise (``x`` in its compute dtype; ``s`` ``[n, b, b]`` or one shared ``[1, b, b]``)."""
+    block = s.shape[-1]
+    if s.shape[0] == 1:  # one block for the whole width: a single 2-D product, no layout change
+        flat = x.reshape(-1, block)
+        return torch.addmm(flat, flat, s[0], alpha=2).reshape(x.shape)
+    xb = _blocks_first(x, n_blocks, block)
+    return _token_major(torch.baddbmm(xb, xb, s, alpha=2), x.shape, x.dtype)
+
+
+class CayleyRotateFunction(torch.autograd.Function):
+    """``CayleyRotateFunction.apply(x, q_vec, block_size, terms, keep)`` -> ``x R`` with ``R`` from ``q_vec``.
+
+    Args (of ``apply``):
+        x: ``[..., n_blocks · b]`` input.
+        q_vec: ``[n_blocks, b(b-1)/2]`` triangles, or ``[1, b(b-1)/2]`` for one block shared across the width; fp32
+            or fp64 (the caller casts half-precision parameters). The series and the rotation run in this dtype
+            (promoted to fp64 for an fp64 ``x``).
+        block_size: b.
+        terms: Taylor series length, 2 to :data:`MAX_TERMS`.
+        keep: ``None``, or a ``[n_blocks, 1, 1]`` 0/1 mask in ``q_vec``'s dtype (block dropout: 0 means ``R = I``).
+
+    Returns:
+        The rotated input, in ``x``'s dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, x, q_vec, block_size, terms, keep):
+        n_blocks = x.shape[-1] // block_size
+        # The triangles' dtype (fp32 for half-precision layers), or fp64 when x is: as the references compute.
+        # (Chosen in Python: torch.promote_types is a dispatcher call, on every forward of every layer.)
+        compute = torch.float64 if torch.float64 in (q_vec.dtype, x.dtype) else q_vec.dtype
+        ctx.q_dtype = q_vec.dtype
+        device = q_vec.device
+        q_vec = _cast(q_vec, compute)
+        q = torch.index_select(q_vec, 1, skew_gather(block_size, device))
+        q = (q * skew_sign(block_size, device, compute)).view(-1, block_size, block_size)
+        s, saved = _series(q, terms - 1)
+        s_used = s if keep is None else s * keep
+        out = _rotate(_cast(x, compute), s_used, n_blocks)
+        ctx.save_for_backward(x, q, s_used, keep, *saved)
+        ctx.n_blocks, ctx.block_size, ctx.powers = n_blocks, block_size, terms - 1
+        return _cast(out, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, q, s_used, keep, *saved = ctx.saved_tensors
+        n_blocks, block = ctx.n_blocks, ctx.block_size
+        compute = q.dtype
+        g = _cast(grad_out, compute)
+        grad_x = grad_q_vec = None
+        if ctx.needs_input_grad[0]:
+            if s_used.shape[0] == 1:
+                flat = g.reshape(-1, block)
+                grad_x = _cast(torch.addmm(flat, flat, s_used[0].t(), alpha=2).reshape(x.shape), x.dtype)
+            else:
+                gb = _blocks_first(g, n_blocks, block)
+                grad_x = _token_major(torch.baddbmm(gb, gb, s_used.transpose(-1, -2), alpha=2), x.shape, x.dtype)
+        if ctx.needs_input_grad[1]:
+            x_c = _cast(x, compute)
+            if s_used.shape[0] == 1:
+                flat_x = x_c.reshape(-1, block)
+                # alpha=2: the factor of R = I + 2S (beta=0: the first argument is not read).
+                grad_s = torch.addmm(s_used[0], flat_x.t(), g.reshape(-1, block), beta=0, alpha=2).unsqueeze(0)
+            else:
+                x_t = x_c.reshape(-1, n_blocks, block).permute(1, 2, 0)  # [n, b, tokens]
+                grad_s = torch.baddbmm(s_used, x_t, _blocks_first(g, n_blocks, block), beta=0, alpha=2)
+            if keep is not None:
+                grad_s = grad_s * keep
+                if q.shape[0] == 1:  # a shared block dropped per position: its gradient sums over positions
+                    grad_s = grad_s.sum(0, keepdim=True)
+            grad_q = _series_grad(grad_s, q, ctx.powers, saved)
+            # dL/dq[t] at (i, j) = dL/dQ[i, j] - dL/dQ[j, i].
+            skew_grad = torch.sub(grad_q, grad_q.transpose(-1, -2)).view(q.shape[0], -1)
+            grad_q_vec = _cast(torch.index_select(skew_grad, 1, triangle_positions(block, q.device)), ctx.q_dtype)
+        return grad_x, grad_q_vec, None, None, None
