@@ -35,7 +35,7 @@ from peftplug.loading import (
 )
 from peftplug.quantized_layout import keep_exact_4bit_layout
 from peftplug.resume import RNG_KEY, restore_rng, rng_state
-from peftplug.schedules import build_lr_scheduler
+from peftplug.schedules import build_lr_scheduler, check_resumed_length
 from peftplug.sharding import (
     FSDP_MIXED_PRECISIONS,
     checkpoint_module_state,
@@ -306,10 +306,12 @@ class PeftModule(L.LightningModule):
         return bad.item() == 0
 
     def on_train_start(self) -> None:
-        """Restores the RNG states of the checkpoint a fit resumes from (see :meth:`on_load_checkpoint`)."""
+        """On a resume: restores the checkpoint's RNG states (:meth:`on_load_checkpoint`), checks its LR schedule."""
         states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
         if states is not None:
             restore_rng(states)
+        check_resumed_length(self.lr_schedulers(), self.trainer, self.hparams.lr_scheduler_interval,
+                             not self.automatic_optimization)
 
     def on_train_epoch_start(self) -> None:
         """Puts the model in train mode (dropout on) for first-order training.

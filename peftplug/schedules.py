@@ -190,6 +190,39 @@ def check_length(scheduler: Any, run: RunLength, field: str = "model.lr_schedule
         f"--trainer.{limit} {length}")
 
 
+def check_resumed_length(scheduler: Any, trainer: Any, interval: str = "step", zeroth_order: bool = False,
+                         field: str = "model.lr_scheduler") -> None:
+    """After a resume restored the scheduler's state: refuses a schedule that this run outlasts.
+
+    :func:`build_lr_scheduler` sizes and checks the scheduler for this run, but Lightning then loads the checkpoint's
+    scheduler state over it, length included (``OneCycleLR.total_steps``, ``T_max``, ...): resuming with a larger
+    ``trainer.max_steps`` would otherwise end in torch's "Tried to step N times" traceback mid-run. Call it when
+    training starts (after the restore); nothing happens unless the fit resumes.
+
+    Args:
+        scheduler: The run's scheduler (``None`` for none).
+        trainer: The Lightning ``Trainer``; its ``ckpt_path`` says whether the fit resumed.
+        interval: ``step`` or ``epoch``.
+        zeroth_order: Whether training is zeroth-order.
+        field: The config field of the scheduler, for the message.
+
+    Raises:
+        ConfigError: Naming the restored length, the run's, and the ways out.
+    """
+    base = next((b for b in OUTRUN if isinstance(scheduler, b)), None)
+    if base is None or trainer is None or not getattr(trainer, "ckpt_path", None):
+        return
+    length = getattr(scheduler, LENGTH_ARGUMENTS[base], None)
+    run = run_length(trainer, interval, zeroth_order)
+    if length is None or not OUTRUN[base][1](scheduler) or length >= run.length:
+        return
+    limit = "max_epochs" if run.unit == "epochs" else "max_steps"
+    raise ConfigError(
+        f"--ckpt_path {trainer.ckpt_path}: its {type(scheduler).__name__} lasts {length} {run.unit} (restored with "
+        f"the checkpoint) but this run takes {run.length} ({run.why}); {OUTRUN[base][0]}. Resume with "
+        f"--trainer.{limit} {length}, or start a new run from the checkpoint's adapter")
+
+
 def build_lr_scheduler(factory: Callable[..., Any], optimizer: torch.optim.Optimizer, trainer: Any,
                        interval: str = "step", zeroth_order: bool = False,
                        field: str = "model.lr_scheduler") -> Any:
@@ -218,4 +251,5 @@ def build_lr_scheduler(factory: Callable[..., Any], optimizer: torch.optim.Optim
     return scheduler
 
 
-__all__ = ["LENGTH_ARGUMENTS", "OUTRUN", "CosineAnnealingLR", "RunLength", "build_lr_scheduler", "check_length", "run_length"]
+__all__ = ["LENGTH_ARGUMENTS", "OUTRUN", "CosineAnnealingLR", "RunLength", "build_lr_scheduler", "check_length",
+           "check_resumed_length", "run_length"]

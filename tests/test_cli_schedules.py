@@ -96,3 +96,20 @@ def test_a_python_factory_is_checked_too(tmp_path):
     assert trainer.global_step == 0
     with pytest.raises(ConfigError, match="T_max: null means the run's length"):
         CosineAnnealingLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+
+
+def test_resuming_into_a_longer_run_than_the_restored_schedule_is_refused(capsys, tmp_path):
+    # Lightning loads the checkpoint's scheduler state over the one sized for this run, length included: without
+    # the check the resumed run ends in torch's "Tried to step 3 times" traceback at its third step.
+    checkpointing = ["--trainer.enable_checkpointing", "true"]
+    _fit(tmp_path, *checkpointing, "--trainer.max_steps", "2")
+    (checkpoint,) = (tmp_path / "checkpoints").glob("*.ckpt")
+    line = _refused(capsys, tmp_path, *checkpointing, "--trainer.max_steps", "6", "--trainer.max_epochs", "2",
+                    "--ckpt_path", str(checkpoint))
+    assert line == (f"peftplug: error: --ckpt_path {checkpoint}: its OneCycleLR lasts 2 steps (restored with the "
+                    "checkpoint) but this run takes 6 (trainer.max_steps 6); it raises at the step after its last. "
+                    "Resume with --trainer.max_steps 2, or start a new run from the checkpoint's adapter")
+    # Within the restored length the resume runs.
+    resumed = _fit(tmp_path, *checkpointing, "--trainer.max_steps", "2", "--trainer.max_epochs", "2",
+                   "--ckpt_path", str(checkpoint))
+    assert resumed.trainer.global_step == 2
