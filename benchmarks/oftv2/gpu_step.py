@@ -52,9 +52,13 @@ DRY_SHAPES = {
     "7B-class widths": {"hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 1,
                         "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128},
 }
-ADAPTERS = ("OFTv2 b32", "LoRA r16", "PEFT OFT b32")
+#: ``OFTv2 b32, kernel_impl=torch``: the torch path (one autograd Function a layer, ``peftplug_kernels.cayley_rotate``)
+#: against the Triton kernels ``auto`` runs on sm_90: which one the dispatch table should choose.
+TORCH_PATH = "OFTv2 b32, kernel_impl=torch"
+ADAPTERS = ("OFTv2 b32", "LoRA r16", "PEFT OFT b32", TORCH_PATH)
 #: What a method is called on an NF4 base.
-NF4_NAMES = {"OFTv2 b32": "QOFT b32", "LoRA r16": "QLoRA r16", "PEFT OFT b32": "PEFT OFT b32"}
+NF4_NAMES = {"OFTv2 b32": "QOFT b32", "LoRA r16": "QLoRA r16", "PEFT OFT b32": "PEFT OFT b32",
+             TORCH_PATH: "QOFT b32, kernel_impl=torch"}
 
 
 @dataclass(frozen=True)
@@ -80,12 +84,13 @@ class Row:
 
 
 #: Every row, in the order they run: what issue 40's targets need first — the cheap eager rows (OFTv2 vs LoRA and
-#: QOFT vs QLoRA at 1.1B: step and memory), then compiled OFTv2 (a compile of a minute or more) — then the 7B-class
+#: QOFT vs QLoRA at 1.1B: step and memory; OFTv2 on the torch path, for the dispatch table), then compiled OFTv2 (a compile of a minute or more) — then the 7B-class
 #: widths; last the rows our code does not change (compiled LoRA, 83.2 ms on the last run, the targets' fallback;
 #: PEFT's OFT), which go first when time runs short.
 PLAN = (
     Row("1.1B", "bf16", "LoRA r16", "eager"), Row("1.1B", "bf16", "OFTv2 b32", "eager"),
     Row("1.1B", "nf4", "LoRA r16", "eager"), Row("1.1B", "nf4", "OFTv2 b32", "eager"),
+    Row("1.1B", "bf16", TORCH_PATH, "eager"),
     Row("1.1B", "bf16", "OFTv2 b32", "compiled"),
     Row("7B-class widths", "bf16", "LoRA r16", "eager"), Row("7B-class widths", "bf16", "OFTv2 b32", "eager"),
     Row("7B-class widths", "nf4", "LoRA r16", "eager"), Row("7B-class widths", "nf4", "OFTv2 b32", "eager"),
@@ -108,10 +113,11 @@ def peft_config(adapter: str):
     """
     import peft
 
-    if adapter == "OFTv2 b32":
+    if adapter in ("OFTv2 b32", TORCH_PATH):
         import oftv2
 
-        return oftv2.OFTv2Config(block_size=32, target_modules=TARGETS)
+        impl = "torch" if adapter == TORCH_PATH else "auto"
+        return oftv2.OFTv2Config(block_size=32, target_modules=TARGETS, kernel_impl=impl)
     if adapter == "LoRA r16":
         return peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS)
     if adapter == "PEFT OFT b32":

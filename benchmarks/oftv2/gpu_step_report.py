@@ -137,7 +137,7 @@ def render_section(records: list[dict]) -> str:
              "`python -m benchmarks.oftv2.gpu_step --merge-docs` (a run of `bash benchmarks/gpu/run_all.sh`) and "
              "`--report`; one file per run in `benchmarks/oftv2/results/gpu_step/`. On the GPU machine: "
              "`PEFTPLUG_COMMIT=<hash> OUT=<dir> bash benchmarks/gpu/run_all.sh` with the bitsandbytes wheel carried "
-             "in `.whl/` (docs/qoft.md); the step benchmark gets 220 s of it and skips the rows that would not fit. "
+             "in `.whl/` (docs/qoft.md); the step benchmark gets 240 s of it and skips the rows that would not fit. "
              "The CPU side of this launch-bound cost, per adapted layer: [oftv2_overhead.md](oftv2_overhead.md).\n")
     runs = sorted(records, key=lambda r: r["env"]["date"])
     return intro + "\n" + "\n".join(render_run(r, "###") for r in runs)

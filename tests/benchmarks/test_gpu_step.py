@@ -21,11 +21,10 @@ def test_run_all_calls_the_step_benchmark_within_its_time_budget():
     script = (REPO / "benchmarks" / "gpu" / "run_all.sh").read_text()
     subprocess.run(["bash", "-n", str(REPO / "benchmarks" / "gpu" / "run_all.sh")], check=True)
     assert "-m benchmarks.oftv2.gpu_step --out" in script and "-m benchmarks.oftv2.gpu_step --dry-run" in script
-    # Every phase of the GPU run is bounded, and the bounds (plus the 150 s reserved for the NF4 sweep) fit 510 s.
+    # Every phase of the GPU run is bounded (step benchmark, CUDA tests, NF4 sweep, micro-benchmarks) within 510 s.
     limits = [int(line.split("timeout -k 5 ")[1].split()[0]) for line in script.splitlines()
               if "timeout -k 5 " in line and not line.lstrip().startswith("#") and "--dry-run" not in line]
-    reserved = 150 if len(limits) == 3 else 0  # until H41-kernels' sweep takes its slot
-    assert len(limits) >= 3 and sum(limits) + reserved <= 510, limits
+    assert len(limits) == 4 and sum(limits) <= 510, limits
 
 
 def test_dry_run_measures_every_row_and_checks_the_targets(tmp_path, capsys):
@@ -102,7 +101,8 @@ def test_the_first_h200_run_imports_with_its_own_numbers(tmp_path):
 
 def test_run_all_runs_its_phases_in_order_with_the_commit(tmp_path):
     # A stand-in Python records each command line: the step benchmark first (with the commit the machine's copy has
-    # no .git to tell), then the CUDA tests, then the kernel micro-benchmarks without their training rows.
+    # no .git to tell), then the CUDA tests, the NF4 sweep (issue 41), then the kernel micro-benchmarks without their
+    # training rows.
     stub, log = tmp_path / "python", tmp_path / "calls.txt"
     stub.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\n')
     stub.chmod(0o755)
@@ -111,6 +111,7 @@ def test_run_all_runs_its_phases_in_order_with_the_commit(tmp_path):
                           text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     calls = [line for line in log.read_text().splitlines() if not line.startswith("-c ")]
-    assert calls[0] == f"-m benchmarks.oftv2.gpu_step --out {tmp_path / 'out'} --budget-s 190 --commit abc1234"
+    assert calls[0] == f"-m benchmarks.oftv2.gpu_step --out {tmp_path / 'out'} --budget-s 210 --commit abc1234"
     assert calls[1].startswith("-m pytest -q -p no:cacheprovider tests/kernels tests/oftv2_bnb")
-    assert f"-m benchmarks.kernels.gpu --skip-training --out {tmp_path / 'out'}" in calls[2:]
+    assert calls[2] == f"-m benchmarks.kernels.nf4_sweep --budget-s 140 --out {tmp_path / 'out'}"
+    assert f"-m benchmarks.kernels.gpu --skip-training --out {tmp_path / 'out'}" in calls[3:]
