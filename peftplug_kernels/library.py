@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from peftplug_kernels._triton_available import load_kernel_module
-from peftplug_kernels.block_rotate.function import BlockRotateFunction
+from peftplug_kernels.block_rotate.function import BlockRotateFunction, flat_rows
 from peftplug_kernels.cayley_neumann.function import CayleyNeumannFunction
 from peftplug_kernels.nf4_rotate_matmul.function import NF4RotateMatmulFunction
 from peftplug_kernels.quant_state import flatten_quant_state, state_view
@@ -38,15 +38,11 @@ from peftplug_kernels.quant_state import flatten_quant_state, state_view
 EAGER_BYPASS = True
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1]).contiguous()
-
-
 # ------------------------------------------------------------------------------------------------ block_rotate
 @torch.library.custom_op("peftplug::block_rotate", mutates_args=())
 def _block_rotate_op(x: torch.Tensor, rotation: torch.Tensor, transpose: bool) -> torch.Tensor:
     kernel = load_kernel_module("block_rotate")
-    return kernel.block_matmul(_flat(x), rotation.contiguous(), transpose=transpose).reshape(x.shape)
+    return kernel.block_matmul(flat_rows(x), rotation.contiguous(), transpose=transpose).reshape(x.shape)
 
 
 @_block_rotate_op.register_fake
@@ -57,7 +53,7 @@ def _(x, rotation, transpose):
 @torch.library.custom_op("peftplug::block_rotate_grad_rotation", mutates_args=())
 def _grad_rotation_op(x: torch.Tensor, grad: torch.Tensor, rotation_blocks: int, block_size: int) -> torch.Tensor:
     kernel = load_kernel_module("block_rotate")
-    return kernel.block_grad_rotation(_flat(x), _flat(grad), rotation_blocks, block_size)
+    return kernel.block_grad_rotation(flat_rows(x), flat_rows(grad), rotation_blocks, block_size)
 
 
 @_grad_rotation_op.register_fake
@@ -69,7 +65,7 @@ def _(x, grad, rotation_blocks, block_size):
 def _rotate_backward_op(x: torch.Tensor, grad: torch.Tensor,
                         rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     kernel = load_kernel_module("block_rotate")
-    grad_x, grad_rot = kernel.block_rotate_backward(_flat(x), _flat(grad), rotation.contiguous())
+    grad_x, grad_rot = kernel.block_rotate_backward(flat_rows(x), flat_rows(grad), rotation.contiguous())
     return grad_x.reshape(x.shape), grad_rot
 
 
@@ -162,7 +158,7 @@ def _nf4_op(x: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, absma
             blocksize2: int, shape: list[int], state_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     state = state_view(absmax, code, absmax2, code2, offset, blocksize, blocksize2, shape, state_dtype)
     kernel = load_kernel_module("nf4_rotate_matmul")
-    y = kernel.rotate_dequant_matmul(_flat(x), rotation.contiguous(), weight, state, bias)
+    y = kernel.rotate_dequant_matmul(flat_rows(x), rotation.contiguous(), weight, state, bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -176,7 +172,7 @@ def _nf4_grad_op(grad: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor,
                  absmax2: torch.Tensor | None, code2: torch.Tensor | None, offset: torch.Tensor | None, blocksize: int,
                  blocksize2: int, shape: list[int], state_dtype: torch.dtype) -> torch.Tensor:
     state = state_view(absmax, code, absmax2, code2, offset, blocksize, blocksize2, shape, state_dtype)
-    return load_kernel_module("nf4_rotate_matmul").grad_rotated_input(_flat(grad), weight, state)
+    return load_kernel_module("nf4_rotate_matmul").grad_rotated_input(flat_rows(grad), weight, state)
 
 
 @_nf4_grad_op.register_fake

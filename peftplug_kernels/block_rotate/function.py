@@ -11,7 +11,12 @@ import torch
 from peftplug_kernels._triton_available import load_kernel_module
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
+def flat_rows(t: torch.Tensor) -> torch.Tensor:
+    """``[..., d]`` -> contiguous ``[rows, d]``: the 2-D layout every kernel of this package reads.
+
+    Args:
+        t: Any tensor.
+    """
     return t.reshape(-1, t.shape[-1]).contiguous()
 
 
@@ -23,7 +28,7 @@ class BlockRotateFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
         kernel = load_kernel_module("block_rotate")
         rotation_c = rotation.contiguous()
-        x2 = _flat(x)
+        x2 = flat_rows(x)
         ctx.save_for_backward(x2, rotation_c)
         ctx.x_shape = x.shape
         return kernel.block_matmul(x2, rotation_c).reshape(x.shape)
@@ -33,7 +38,7 @@ class BlockRotateFunction(torch.autograd.Function):
         kernel = load_kernel_module("block_rotate")
         x2, rotation = ctx.saved_tensors
         # dX and dR in one pass over x and dX' (one launch, not two).
-        grad_x, grad_rot = kernel.block_rotate_backward(x2, _flat(grad_out), rotation, *ctx.needs_input_grad[:2])
+        grad_x, grad_rot = kernel.block_rotate_backward(x2, flat_rows(grad_out), rotation, *ctx.needs_input_grad[:2])
         if grad_x is not None:
             grad_x = grad_x.reshape(ctx.x_shape)
         if grad_rot is not None:

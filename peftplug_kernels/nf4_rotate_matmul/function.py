@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from peftplug_kernels._triton_available import load_kernel_module
+from peftplug_kernels.block_rotate.function import flat_rows
 
 
 class NF4RotateMatmulFunction(torch.autograd.Function):
@@ -19,7 +20,7 @@ class NF4RotateMatmulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, rotation, weight, quant_state, bias):
         fused = load_kernel_module("nf4_rotate_matmul")
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        x2 = flat_rows(x)
         rotation_c = rotation.contiguous()
         y = fused.rotate_dequant_matmul(x2, rotation_c, weight, quant_state, bias)
         ctx.save_for_backward(x2, rotation_c, weight)
