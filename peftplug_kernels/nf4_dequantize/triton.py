@@ -58,22 +58,18 @@ def launch(n: int, qblock: int) -> tuple[int, dict]:
     return max(1, GPU_ELEMENTS // qblock), {"num_warps": 4, "enable_fp_fusion": False}
 
 
-def dequantize_4bit(weight: torch.Tensor, quant_state, dtype: torch.dtype | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_4bit(weight: torch.Tensor, quant_state, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Dequantizes a bitsandbytes 4-bit weight with one kernel launch.
 
     Args:
         weight: Packed weight (``Params4bit`` data) on the kernel's device.
         quant_state: Its ``QuantState`` (read by attribute).
         dtype: Output dtype; the state's dtype by default.
-        out: Optional preallocated ``quant_state.shape`` buffer to write into (a reused workspace).
 
     Returns:
         ``quant_state.shape`` tensor.
     """
-    shape = tuple(quant_state.shape)
-    if out is None:
-        out = torch.empty(shape, device=weight.device, dtype=dtype or quant_state.dtype)
+    out = torch.empty(tuple(quant_state.shape), device=weight.device, dtype=dtype or quant_state.dtype)
     n = out.numel()
     if n == 0:
         return out
