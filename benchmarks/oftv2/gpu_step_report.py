@@ -78,6 +78,13 @@ def targets(record: dict) -> list[tuple[str, str, str]]:
     add("peak memory OFTv2 ≤ 0.75 × LoRA r16's, 1.1B bf16", r, 0.75, f"{fmt(r, '.3f')}×")
     r = ratio(qoft, qlora, "peak_gib")
     add("peak memory QOFT ≤ 0.75 × QLoRA r16's, 1.1B NF4", r, 0.75, f"{fmt(r, '.3f')}×")
+    # Not an issue-40 target: the question the dispatch table asks. "met" means the torch path (one autograd
+    # Function a layer) beat the Triton kernels auto runs, so the device's cayley_neumann and block_rotate entries
+    # should say torch (peftplug_kernels/dispatch_table.py).
+    torch_path = _find(rows, "1.1B", "bf16", "OFTv2 b32, kernel_impl=torch", "eager")
+    r = ratio(torch_path, oft, "step_ms")
+    add("table check: OFTv2 torch path ≤ auto (Triton) eager, 1.1B bf16", r, 1.0,
+        f"{fmt(torch_path and torch_path['step_ms'], '.1f')} ms = {fmt(r, '.3f')}×")
     return out
 
 

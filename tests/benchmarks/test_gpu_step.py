@@ -49,7 +49,9 @@ def test_dry_run_measures_every_row_and_checks_the_targets(tmp_path, capsys):
     text = (tmp_path / "gpu_step.md").read_text()
     assert text in capsys.readouterr().out
     verdicts = {name: verdict for name, _, verdict in step_report.targets(saved)}
-    assert len(verdicts) == 7 and set(verdicts.values()) <= {"met", "not met", "not measured"}
+    assert len(verdicts) == 8 and set(verdicts.values()) <= {"met", "not met", "not measured"}
+    # The dispatch-table question is answered from the torch-path row the plan runs.
+    assert verdicts["table check: OFTv2 torch path ≤ auto (Triton) eager, 1.1B bf16"] in {"met", "not met"}
     # CPU has no allocator statistics: the memory targets say so rather than pass.
     assert verdicts["peak memory OFTv2 ≤ 0.75 × LoRA r16's, 1.1B bf16"] == "not measured"
     assert "| compiled OFTv2 ≤ compiled LoRA r16 (" in text and " ms, this run) |" in text
