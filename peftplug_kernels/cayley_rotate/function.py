@@ -24,7 +24,7 @@ backward, with ``Qᵀ = -Q``::
     gq = (gQ - gQᵀ)[triu]       sub and index_select
 
 That is 7 calls forward and 9 backward for the adapter, where the composed references made ~35 (the base layer
-adds its own); LoRA r16 adds 12 (docs/benchmarks/oftv2_overhead.md has the counts). A dense ±1 matrix would unpack
+adds its own); LoRA r16 adds 10 (docs/benchmarks/oftv2_overhead.md has the counts). A dense ±1 matrix would unpack
 in one mm and pack in one, but it costs b⁴/2 multiply-adds per block (16× a power of Q at b = 32): measured slower.
 Fewer powers (``terms`` 2–4) use shorter programs of the same kind. Block dropout multiplies ``S`` by a keep mask
 (a dropped block has ``S = 0``, i.e. ``R = I``). Half-precision inputs are rotated in fp32 and rounded once, as the
