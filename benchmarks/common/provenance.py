@@ -61,6 +61,15 @@ def current_rss_mib() -> float | None:
         return None
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere, often empty on Linux), or ``"?"``."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "?"
+
+
 def provenance(paths: tuple[str, ...] = ("benchmarks", "peftplug")) -> dict:
     """Everything a result file should say about where it was measured.
 
@@ -70,7 +79,7 @@ def provenance(paths: tuple[str, ...] = ("benchmarks", "peftplug")) -> dict:
     import torch
 
     return {"commit": git_commit(paths), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or "?",
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_model(),
             "cpu_flags": cpu_flags(), "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "peak_rss_mib": peak_rss_mib(), "loadavg": list(os.getloadavg())}
 
@@ -83,6 +92,7 @@ def provenance_line(prov: dict) -> str:
     """
     flags = ", ".join(prov.get("cpu_flags") or []) or "none of " + ", ".join(CPU_FLAGS)
     where = f"GPU {prov['cuda']}, " if prov.get("cuda") else ""
+    where += f"CPU {prov['cpu']}, " if prov.get("cpu") not in (None, "", "?") else ""
     return (f"Measured at commit `{prov.get('commit', '?')}` on {prov.get('date', '?')}: {where}torch "
             f"{prov.get('torch', '?')}, {prov.get('threads', '?')} thread(s), CPU flags {flags}, peak RSS "
             f"{prov.get('peak_rss_mib', float('nan')):.0f} MiB.")

@@ -99,5 +99,10 @@ def test_provenance_names_the_commit_threads_flags_and_memory():
     with open("/proc/cpuinfo") as f:
         flags = next(line for line in f if line.startswith("flags")).split(":", 1)[1].split()
     assert prov["cpu_flags"] == [flag for flag in provenance.CPU_FLAGS if flag in flags]
+    with open("/proc/cpuinfo") as f:  # the model name, which platform.processor() leaves empty on Linux
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    if model:
+        assert prov["cpu"] == model
     line = provenance.provenance_line(json.loads(json.dumps(prov)))
     assert prov["commit"] in line and f"{prov['threads']} thread(s)" in line and "MiB" in line
+    assert (f"CPU {prov['cpu']}, " in line) == (prov["cpu"] != "?")
