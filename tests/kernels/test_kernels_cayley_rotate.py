@@ -1,5 +1,8 @@
 """cayley_rotate: the lean torch path (series + rotation in one autograd Function, hand-written backward) against the
-composition of the references under autograd, in fp64 (parity to rounding), half precision and under compile."""
+composition of the references under autograd, in fp64 (parity to rounding), half precision and under compile.
+
+The parity tests take the ``device`` fixture: CPU here, CUDA in the GPU run (``PEFTPLUG_KERNELS_ON_GPU=1``, phase 2
+of ``benchmarks/gpu/run_all.sh``), before its step benchmark times this path."""
 
 from __future__ import annotations
 
@@ -13,10 +16,10 @@ from peftplug_kernels.cayley_rotate import function as lean
 from peftplug_kernels.cayley_rotate import reference
 
 
-def _inputs(n_blocks, b, rows, dtype=torch.float64, tokens=(2, 5), seed=0):
+def _inputs(n_blocks, b, rows, dtype=torch.float64, tokens=(2, 5), seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    q = (0.3 / b**0.5 * torch.randn(rows, triangle_size(b), generator=gen, dtype=torch.float64)).to(dtype)
-    x = torch.randn(*tokens, n_blocks * b, generator=gen, dtype=torch.float64).to(dtype)
+    q = (0.3 / b**0.5 * torch.randn(rows, triangle_size(b), generator=gen, dtype=torch.float64)).to(device, dtype)
+    x = torch.randn(*tokens, n_blocks * b, generator=gen, dtype=torch.float64).to(device, dtype)
     return x.requires_grad_(True), q.requires_grad_(True)
 
 
@@ -27,9 +30,10 @@ def _grads(y, inputs, grad):
 @pytest.mark.parametrize("terms", [2, 3, 4, 5])
 @pytest.mark.parametrize(("n_blocks", "b", "shared"), [(3, 4, False), (3, 4, True), (1, 6, False), (2, 8, False)])
 @pytest.mark.parametrize("dropout", [False, True])
-def test_matches_reference_composition_fp64(terms, n_blocks, b, shared, dropout):
-    x, q = _inputs(n_blocks, b, 1 if shared else n_blocks, seed=terms + n_blocks)
-    keep = torch.tensor([1.0, 0.0, 1.0][:n_blocks], dtype=torch.float64).view(-1, 1, 1) if dropout else None
+def test_matches_reference_composition_fp64(device, terms, n_blocks, b, shared, dropout):
+    x, q = _inputs(n_blocks, b, 1 if shared else n_blocks, seed=terms + n_blocks, device=device)
+    keep = (torch.tensor([1.0, 0.0, 1.0][:n_blocks], dtype=torch.float64, device=device).view(-1, 1, 1)
+            if dropout else None)
     y = lean.CayleyRotateFunction.apply(x, q, b, terms, keep)
     expected = reference.cayley_rotate(x, q, b, terms=terms, keep=keep)
     torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
@@ -53,8 +57,8 @@ def test_dropped_block_is_the_identity():
 
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_input_rotates_in_fp32(x_dtype):
-    x, q = _inputs(4, 32, 4, dtype=torch.float32, tokens=(6,), seed=3)
+def test_half_precision_input_rotates_in_fp32(device, x_dtype):
+    x, q = _inputs(4, 32, 4, dtype=torch.float32, tokens=(6,), seed=3, device=device)
     x = x.detach().to(x_dtype).requires_grad_(True)
     y = lean.CayleyRotateFunction.apply(x, q, 32, 5, None)
     assert y.dtype == x_dtype
