@@ -64,9 +64,13 @@ _SM90 = DeviceEntry(
             f"{_H200}: 4096 tokens x 4096, b=32: Triton 0.141 / 0.683 ms fwd / fwd+bwd vs torch einsum 0.223 / 0.592 "
             "(the isolated backward is slower), but the 1.1B training step with every op on Triton takes 139.7 ms "
             "and 10.32 GiB against 212.6 ms and 14.87 GiB with every op on torch (the reference saves an fp32 copy "
-            "of each adapted input). Chosen for the step; re-measure torch rotate + Triton Cayley-Neumann")),
+            "of each adapted input). Chosen for the step. Since 2026-12-05 the torch path of a layer is one autograd "
+            "Function for series and rotation (16 kernel calls forward + backward where that step's made ~37, and "
+            "no fp32 copy of the input), not yet timed on a GPU: the step benchmark's table-check row "
+            "(kernel_impl=torch vs auto) says whether both entries should flip to torch")),
         "cayley_neumann": Choice("triton", (
-            f"{_H200}: 128 blocks of 32: Triton 0.058 / 0.270 ms fwd / fwd+bwd vs torch 0.160 / 0.898")),
+            f"{_H200}: 128 blocks of 32: Triton 0.058 / 0.270 ms fwd / fwd+bwd vs torch 0.160 / 0.898 (the composed "
+            "reference; see block_rotate for the one-Function torch path that has replaced it in OFTv2 layers)")),
         "dequantize_4bit": Choice("triton", (
             f"{_H200}: 4096 x 4096 NF4: Triton 0.140 ms vs bitsandbytes 0.131; the torch reference (the other "
             "choice of this op) holds ~19 bytes per element, the kernel writes 2")),
