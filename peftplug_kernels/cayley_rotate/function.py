@@ -155,7 +155,7 @@ def _series(q: torch.Tensor, powers: int) -> tuple[torch.Tensor, tuple[torch.Ten
         return a, ()
     if powers == 3:
         return torch.baddbmm(q, q, a), (a,)  # Q + Q(Q + Q²)
-    b = torch.baddbmm(identity(q.shape[-1], q.device, q.dtype).expand_as(q), q, q)  # I + Q²
+    b = torch.baddbmm(identity(q.shape[-1], q.device, q.dtype), q, q)  # I + Q² (the identity broadcasts)
     return torch.bmm(a, b), (a, b)  # (Q + Q²)(I + Q²)
 
 
