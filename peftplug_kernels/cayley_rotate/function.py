@@ -195,14 +195,15 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _rotate(x: torch.Tensor, s: torch.Tensor, n_blocks: int) -> torch.Tensor:
-    """``x + 2 x S`` block-wise (``x`` in its compute dtype; ``s`` ``[n, b, b]`` or one shared ``[1, b, b]``)."""
+def _rotate(x: torch.Tensor, s: torch.Tensor, n_blocks: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x + 2 x S`` block-wise, returned in ``out_dtype`` (``x`` in its compute dtype; ``s`` ``[n, b, b]`` or one
+    shared ``[1, b, b]``). The layout copy back to token-major also casts: one copy, not two, for bf16 layers."""
     block = s.shape[-1]
     if s.shape[0] == 1:  # one block for the whole width: a single 2-D product, no layout change
         flat = x.reshape(-1, block)
-        return torch.addmm(flat, flat, s[0], alpha=2).reshape(x.shape)
+        return _cast(torch.addmm(flat, flat, s[0], alpha=2).reshape(x.shape), out_dtype)
     xb = _blocks_first(x, n_blocks, block)
-    return _token_major(torch.baddbmm(xb, xb, s, alpha=2), x.shape, x.dtype)
+    return _token_major(torch.baddbmm(xb, xb, s, alpha=2), x.shape, out_dtype)
 
 
 class CayleyRotateFunction(torch.autograd.Function):
@@ -234,10 +235,10 @@ class CayleyRotateFunction(torch.autograd.Function):
         q = (q * skew_sign(block_size, device, compute)).view(-1, block_size, block_size)
         s, saved = _series(q, terms - 1)
         s_used = s if keep is None else s * keep
-        out = _rotate(_cast(x, compute), s_used, n_blocks)
+        out = _rotate(_cast(x, compute), s_used, n_blocks, x.dtype)
         ctx.save_for_backward(x, q, s_used, keep, *saved)
         ctx.n_blocks, ctx.block_size, ctx.powers = n_blocks, block_size, terms - 1
-        return _cast(out, x.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
