@@ -12,22 +12,22 @@ forward (m = 4, the default ``neumann_terms=5``)::
     Q = q[:, gather] · sign     index_select and mul with constant tables (the skew matrix, exact)
     A = Q + Q·Q                 baddbmm
     B = I + Q·Q                 baddbmm       (symmetric: (Q²)ᵀ = (Qᵀ)² = Q²)
-    S = A·B = Q + Q² + Q³ + Q⁴  bmm
-    x' = x + 2 x S              baddbmm (+ one copy back to token-major layout; none when one block spans x)
+    R = I + 2 A·B               baddbmm       (A·B = Q + Q² + Q³ + Q⁴ = S)
+    x' = x R                    bmm, written straight into token-major layout (no copy)
 
 backward, with ``Qᵀ = -Q``::
 
-    gx = g + 2 g Sᵀ             baddbmm (+ the layout copy)
+    gx = g Rᵀ                   bmm (token-major output again)
     G  = 2 xᵀ g                 baddbmm (beta=0)  (dL/dS)
     gA = G Bᵀ ; H = gA + Aᵀ G   bmm, baddbmm  (H = gA + gB)
     gQ = gA - H Q - Q H         two baddbmm
     gq = (gQ - gQᵀ)[triu]       sub and index_select
 
-That is 7 calls forward and 9 backward for the adapter, where the composed references made ~35 (the base layer
+That is 6 calls forward and 8 backward for the adapter, where the composed references made ~35 (the base layer
 adds its own); LoRA r16 adds 10 (docs/benchmarks/oftv2_overhead.md has the counts). A dense ±1 matrix would unpack
 in one mm and pack in one, but it costs b⁴/2 multiply-adds per block (16× a power of Q at b = 32): measured slower.
-Fewer powers (``terms`` 2–4) use shorter programs of the same kind. Block dropout multiplies ``S`` by a keep mask
-(a dropped block has ``S = 0``, i.e. ``R = I``). Half-precision inputs are rotated in fp32 and rounded once, as the
+Fewer powers (``terms`` 2–4) build ``S`` in 0–2 calls, then ``R = I + 2 S`` in one. Block dropout multiplies ``S``
+(for m = 4: ``A``) by a keep mask (a dropped block has ``S = 0``, i.e. ``R = I``). Half-precision inputs are rotated in fp32 and rounded once, as the
 reference and the Triton kernel do.
 
 Only the Taylor form with 2–5 terms has a program here (:func:`supports`); the exact Cayley map, PEFT's product form
@@ -147,16 +147,14 @@ def _skew_sign(block_size: int, device: torch.device, dtype: torch.dtype) -> tor
 
 
 def _series(q: torch.Tensor, powers: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """``S = Q + … + Q^powers`` for ``[n, b, b]`` blocks, and what :func:`_series_grad` needs."""
+    """``S = Q + … + Q^powers`` for ``[n, b, b]`` blocks and ``powers`` 1 to 3, and what :func:`_series_grad` needs
+    (:func:`_rotation` builds ``powers = 4`` into ``R`` directly)."""
     if powers == 1:
         return q, ()
     a = torch.baddbmm(q, q, q)  # Q + Q²
     if powers == 2:
         return a, ()
-    if powers == 3:
-        return torch.baddbmm(q, q, a), (a,)  # Q + Q(Q + Q²)
-    b = torch.baddbmm(identity(q.shape[-1], q.device, q.dtype), q, q)  # I + Q² (the identity broadcasts)
-    return torch.bmm(a, b), (a, b)  # (Q + Q²)(I + Q²)
+    return torch.baddbmm(q, q, a), (a,)  # Q + Q(Q + Q²)
 
 
 def _series_grad(g: torch.Tensor, q: torch.Tensor, powers: int, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -176,18 +174,27 @@ def _series_grad(g: torch.Tensor, q: torch.Tensor, powers: int, saved: tuple[tor
     return torch.baddbmm(torch.baddbmm(grad_a, h, q, alpha=-1), q, h, alpha=-1)
 
 
+def _rotation(q: torch.Tensor, powers: int, keep: torch.Tensor | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """``R = I + 2 S`` (``S`` masked by ``keep``) for ``[n, b, b]`` blocks, and what :func:`_series_grad` needs.
+
+    For the default series (``powers = 4``) the identity and the factor 2 ride on the last product
+    (``R = I + 2 A B``): one call, where ``S`` and then ``x + 2 x S`` took a product and a copy more."""
+    ident = identity(q.shape[-1], q.device, q.dtype)  # broadcasts over the blocks
+    if powers == 4:
+        a = torch.baddbmm(q, q, q)  # Q + Q²
+        b = torch.baddbmm(ident, q, q)  # I + Q²
+        if keep is None:
+            return torch.baddbmm(ident, a, b, alpha=2), (a, b)
+        # (A B)·keep = (A·keep) B: keep is one 0/1 scalar per block (per position for a shared block: expand B).
+        a_kept = a * keep
+        return torch.baddbmm(ident, a_kept, b.expand(a_kept.shape), alpha=2), (a, b)
+    s, saved = _series(q, powers)
+    return torch.add(ident, s if keep is None else s * keep, alpha=2), saved
+
+
 def _blocks_first(t: torch.Tensor, n_blocks: int, block_size: int) -> torch.Tensor:
     """``[..., n·b]`` -> ``[n, tokens, b]`` (a view)."""
     return t.reshape(-1, n_blocks, block_size).transpose(0, 1)
-
-
-def _token_major(t: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """``[n, tokens, b]`` -> ``shape`` in ``dtype``: layout (and cast) in one copy."""
-    if t.dtype == dtype:
-        return t.transpose(0, 1).reshape(shape)
-    out = torch.empty(shape, dtype=dtype, device=t.device)
-    out.view(-1, t.shape[0], t.shape[2]).transpose(0, 1).copy_(t)
-    return out
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -195,15 +202,22 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _rotate(x: torch.Tensor, s: torch.Tensor, n_blocks: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """``x + 2 x S`` block-wise, returned in ``out_dtype`` (``x`` in its compute dtype; ``s`` ``[n, b, b]`` or one
-    shared ``[1, b, b]``). The layout copy back to token-major also casts: one copy, not two, for bf16 layers."""
-    block = s.shape[-1]
-    if s.shape[0] == 1:  # one block for the whole width: a single 2-D product, no layout change
-        flat = x.reshape(-1, block)
-        return _cast(torch.addmm(flat, flat, s[0], alpha=2).reshape(x.shape), out_dtype)
+def _rotate(x: torch.Tensor, r: torch.Tensor, n_blocks: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x R`` block-wise, returned in ``out_dtype`` (``x`` in its compute dtype; ``r`` ``[n, b, b]`` or one shared
+    ``[1, b, b]``).
+
+    The blocks-first product is written straight into a token-major tensor (``bmm``'s ``out`` is a transposed view,
+    which BLAS takes as its output's leading dimension): no layout copy. Under ``torch.compile`` the functional form
+    runs instead (dynamo wants no ``out=`` into views; Inductor plans the layout itself)."""
+    block = r.shape[-1]
+    if r.shape[0] == 1:  # one block for the whole width: a single 2-D product
+        return _cast(torch.mm(x.reshape(-1, block), r[0]).reshape(x.shape), out_dtype)
     xb = _blocks_first(x, n_blocks, block)
-    return _token_major(torch.baddbmm(xb, xb, s, alpha=2), x.shape, out_dtype)
+    if torch.compiler.is_compiling():
+        return _cast(torch.bmm(xb, r).transpose(0, 1).reshape(x.shape), out_dtype)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.bmm(xb, r, out=_blocks_first(out, n_blocks, block))
+    return _cast(out, out_dtype)
 
 
 class CayleyRotateFunction(torch.autograd.Function):
@@ -233,36 +247,30 @@ class CayleyRotateFunction(torch.autograd.Function):
         q_vec = _cast(q_vec, compute)
         q = torch.index_select(q_vec, 1, skew_gather(block_size, device))
         q = (q * skew_sign(block_size, device, compute)).view(-1, block_size, block_size)
-        s, saved = _series(q, terms - 1)
-        s_used = s if keep is None else s * keep
-        out = _rotate(_cast(x, compute), s_used, n_blocks, x.dtype)
-        ctx.save_for_backward(x, q, s_used, keep, *saved)
+        r, saved = _rotation(q, terms - 1, keep)
+        out = _rotate(_cast(x, compute), r, n_blocks, x.dtype)
+        ctx.save_for_backward(x, q, r, keep, *saved)
         ctx.n_blocks, ctx.block_size, ctx.powers = n_blocks, block_size, terms - 1
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, q, s_used, keep, *saved = ctx.saved_tensors
+        x, q, r, keep, *saved = ctx.saved_tensors
         n_blocks, block = ctx.n_blocks, ctx.block_size
         compute = q.dtype
         g = _cast(grad_out, compute)
         grad_x = grad_q_vec = None
         if ctx.needs_input_grad[0]:
-            if s_used.shape[0] == 1:
-                flat = g.reshape(-1, block)
-                grad_x = _cast(torch.addmm(flat, flat, s_used[0].t(), alpha=2).reshape(x.shape), x.dtype)
-            else:
-                gb = _blocks_first(g, n_blocks, block)
-                grad_x = _token_major(torch.baddbmm(gb, gb, s_used.transpose(-1, -2), alpha=2), x.shape, x.dtype)
+            grad_x = _rotate(g, r.transpose(-1, -2), n_blocks, x.dtype)  # g Rᵀ
         if ctx.needs_input_grad[1]:
             x_c = _cast(x, compute)
-            if s_used.shape[0] == 1:
+            # alpha=2: the factor of R = I + 2S (beta=0: the first argument, any tensor of the right shape, is not read).
+            if r.shape[0] == 1:
                 flat_x = x_c.reshape(-1, block)
-                # alpha=2: the factor of R = I + 2S (beta=0: the first argument is not read).
-                grad_s = torch.addmm(s_used[0], flat_x.t(), g.reshape(-1, block), beta=0, alpha=2).unsqueeze(0)
+                grad_s = torch.addmm(r[0], flat_x.t(), g.reshape(-1, block), beta=0, alpha=2).unsqueeze(0)
             else:
                 x_t = x_c.reshape(-1, n_blocks, block).permute(1, 2, 0)  # [n, b, tokens]
-                grad_s = torch.baddbmm(s_used, x_t, _blocks_first(g, n_blocks, block), beta=0, alpha=2)
+                grad_s = torch.baddbmm(r, x_t, _blocks_first(g, n_blocks, block), beta=0, alpha=2)
             if keep is not None:
                 grad_s = grad_s * keep
                 if q.shape[0] == 1:  # a shared block dropped per position: its gradient sums over positions
