@@ -3,8 +3,9 @@
 The first GPU run (``../shared/gpu/2026-12-04-h200``) measured the per-call dispatch (``resolve_impl`` →
 ``triton_available`` on every op of every forward) as a large share of a launch-bound step, and dynamo broke the
 graph there. So each layer keeps one :class:`KernelPlan` per adapter, built when the adapter is created and
-rebuilt when the layer moves (``_apply``) or its settings change; the forward only reads it and passes the
-already-resolved ``"torch"``/``"triton"`` to ``peftplug_kernels.ops``, which then does no availability check.
+rebuilt when the layer moves (``_apply``), its settings change or ``peftplug_kernels.dispatch_table`` is changed; the
+forward only reads it and passes the already-resolved ``"torch"``/``"triton"`` to ``peftplug_kernels.ops``, which
+then does no availability check.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from peftplug_kernels import ops
+from peftplug_kernels import dispatch_table, ops
 
 
 class KernelPlan(NamedTuple):
@@ -26,6 +27,8 @@ class KernelPlan(NamedTuple):
         rotate: ``impl`` for ``ops.block_rotate`` (and the weight rotation of ``oftv2.conv``).
         fused_max_tokens: 4-bit layers only: the largest token count (batch × sequence) that runs the fused
             rotate + dequantize + matmul kernel; ``0`` never fuses, ``FUSE_ALWAYS`` fuses at any size.
+        table_generation: ``peftplug_kernels.dispatch_table.generation()`` when the plan was built (stale once the
+            per-device table changes).
     """
 
     settings: Any
@@ -33,6 +36,7 @@ class KernelPlan(NamedTuple):
     cayley: str
     rotate: str
     fused_max_tokens: int = 0
+    table_generation: int = 0
 
 
 # fused_max_tokens of a forced kernel (``kernel_impl="triton"``): fused at any token count.
@@ -71,4 +75,5 @@ def plan_kernels(settings: Any, block_size: int, q_param: torch.Tensor) -> Kerne
         device=q_param.device,
         cayley=choose_impl(settings.impl, "cayley_neumann", q_param, cayley_fits),
         rotate=choose_impl(settings.impl, "block_rotate", q_param),
+        table_generation=dispatch_table.generation(),
     )

@@ -24,7 +24,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
 from torch import nn
 
-from peftplug_kernels import ops
+from peftplug_kernels import dispatch_table, ops
 from peftplug_kernels.cayley_neumann.reference import triangle_size
 from peftplug_kernels.cayley_rotate.reference import drop_blocks
 
@@ -222,8 +222,9 @@ class OFTv2Layer(BaseTunerLayer):
     def refresh_kernels(self, adapter_name: str | None = None) -> None:
         """Re-resolves the kernel plan of one adapter (default: every adapter of this layer).
 
-        Called when an adapter is created and after the layer moves (``_apply``); call it after changing what
-        the dispatch depends on by hand (e.g. ``peftplug_kernels``' per-device table).
+        Called when an adapter is created and after the layer moves (``_apply``); :meth:`kernel_plan` also calls it
+        after the settings or ``peftplug_kernels.dispatch_table`` changed. Call it by hand only after changing
+        something else the dispatch reads (e.g. Triton's availability in a test).
 
         Args:
             adapter_name: The adapter, or ``None`` for all.
@@ -240,9 +241,10 @@ class OFTv2Layer(BaseTunerLayer):
                 plans.pop(name, None)
 
     def kernel_plan(self, adapter_name: str) -> KernelPlan:
-        """The adapter's resolved kernels; rebuilt only if its settings or its parameters' device changed.
+        """The adapter's resolved kernels; rebuilt only if its settings, its parameters' device or the per-device
+        dispatch table changed.
 
-        Two attribute comparisons per call in eager mode; under ``torch.compile`` they are constants at trace time
+        Three comparisons per call in eager mode; under ``torch.compile`` they are constants at trace time
         (guarded), so the compiled forward holds no dispatch code at all.
 
         Args:
@@ -253,8 +255,10 @@ class OFTv2Layer(BaseTunerLayer):
             plan is None
             or plan.settings is not self.oftv2_settings[adapter_name]
             or plan.device != self.oftv2_Q[adapter_name].device
+            or plan.table_generation != dispatch_table.generation()
         ):
-            # Moved without _apply (e.g. accelerate hooks, load_state_dict(assign=True)) or settings replaced.
+            # Moved without _apply (e.g. accelerate hooks, load_state_dict(assign=True)), settings replaced, or
+            # the table changed (dispatch_table.set_choice after measuring a GPU).
             self.refresh_kernels(adapter_name)
             plan = self._oftv2_kernels[adapter_name]
         return plan

@@ -93,6 +93,21 @@ _CUDA = DeviceEntry(
 
 TABLE: dict[str, DeviceEntry] = {"cuda:sm_90": _SM90, "cuda": _CUDA, "cpu": _CPU}
 
+# Bumped by every change to TABLE through the setters below: an OFTv2 layer's kernel plan records the generation it
+# was resolved under and rebuilds itself when it differs (no refresh_kernels() call needed after a change).
+_generation = 0
+
+
+def generation() -> int:
+    """How many times :data:`TABLE` has been changed through :func:`set_choice`, :func:`set_fused_nf4_max_tokens`
+    or :func:`add_device_kind` in this process."""
+    return _generation
+
+
+def _changed() -> None:
+    global _generation
+    _generation += 1
+
 _KIND_BY_DEVICE: dict[torch.device, str] = {}
 
 
@@ -184,6 +199,7 @@ def set_choice(kind: str, op: str, kernel: str, evidence: str) -> None:
     _check("kernel", kernel, KERNELS)
     entry = TABLE[kind]
     TABLE[kind] = dataclasses.replace(entry, choices={**entry.choices, op: Choice(kernel, evidence)})
+    _changed()
 
 
 def set_fused_nf4_max_tokens(kind: str, tokens: int, evidence: str) -> None:
@@ -201,6 +217,7 @@ def set_fused_nf4_max_tokens(kind: str, tokens: int, evidence: str) -> None:
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
         raise ValueError(f"tokens must be an integer >= 0 (0 = never fuse), got {tokens!r}")
     TABLE[kind] = dataclasses.replace(TABLE[kind], fused_nf4_max_tokens=tokens, fused_evidence=evidence)
+    _changed()
 
 
 def add_device_kind(kind: str, like: str = "cuda") -> None:
@@ -217,3 +234,4 @@ def add_device_kind(kind: str, like: str = "cuda") -> None:
         raise ValueError(f"kind must look like 'cuda:sm_80' (a CUDA compute capability), got {kind!r}")
     _check_kind(like)
     TABLE[kind] = TABLE[like]
+    _changed()

@@ -74,3 +74,21 @@ def test_exact_cayley_and_large_blocks_plan_the_reference(monkeypatch):
         plan = next(m for m in model.modules() if isinstance(m, Linear)).kernel_plan("default")
         # No Triton Cayley-Neumann kernel for the exact form or blocks above 64; the rotation kernel takes any.
         assert (plan.cayley, plan.rotate) == ("torch", "triton")
+
+
+def test_plan_follows_a_change_to_the_dispatch_table(monkeypatch):
+    from peftplug_kernels import dispatch_table
+
+    monkeypatch.setattr(dispatch_table, "TABLE", dict(dispatch_table.TABLE))  # the setters write into TABLE
+    # On CPU "auto" never asks the table (Triton would run interpreted); let it ask, as on a GPU.
+    monkeypatch.setattr(dispatch.ops, "resolve_impl", lambda impl, *tensors, op: (
+        dispatch_table.kernel_choice(op, "cpu") if impl == "auto" else impl))
+    model = peft.get_peft_model(nn.Sequential(nn.Linear(8, 8)), oftv2.OFTv2Config(block_size=4,
+                                                                                   target_modules=["0"]))
+    layer = next(m for m in model.modules() if isinstance(m, Linear))
+    assert layer.kernel_plan("default").rotate == "torch"
+    # E.g. after measuring a new GPU: the next read rebuilds the plan, no refresh_kernels() call needed.
+    dispatch_table.set_choice("cpu", "block_rotate", "triton", "a test, 2026-12-05")
+    assert (layer.kernel_plan("default").rotate, layer.kernel_plan("default").cayley) == ("triton", "torch")
+    plan = layer.kernel_plan("default")
+    assert layer.kernel_plan("default") is plan  # and is cached again until the next change
