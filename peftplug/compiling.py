@@ -68,6 +68,15 @@ def is_graph_break(err: BaseException) -> bool:
     return isinstance(err, (exc.Unsupported, exc.UserError))
 
 
+def _runs(code: Any, frame: Any, path: str) -> bool:
+    """Whether ``frame`` (a traceback frame summary) executes ``code``: same file and name, and its line inside the
+    code's lines (two classes of one file both define ``forward``)."""
+    if code.co_name != frame.name or os.path.abspath(code.co_filename) != path:
+        return False
+    lines = [line for *_, line in code.co_lines() if line is not None]
+    return bool(lines) and min(lines) <= frame.lineno <= max(lines)
+
+
 def _owner(model: nn.Module, frame: Any) -> str | None:
     """The qualified name and class of the first module of ``model`` whose class defines the code of ``frame``."""
     path = os.path.abspath(frame.filename)
@@ -75,7 +84,7 @@ def _owner(model: nn.Module, frame: Any) -> str | None:
         for cls in type(module).__mro__:
             for value in vars(cls).values():
                 code = getattr(inspect.unwrap(value), "__code__", None) if callable(value) else None
-                if code is not None and code.co_name == frame.name and os.path.abspath(code.co_filename) == path:
+                if code is not None and _runs(code, frame, path):
                     return f"{name or '<model>'} ({type(module).__name__})"
     return None
 
