@@ -220,6 +220,10 @@ def main(argv=None) -> None:
     ap.add_argument("--only", choices=["full"], default=None,
                     help="run only the full-finetuning setting and merge its section into the existing --out page")
     ap.add_argument("--full-steps", type=int, default=None, help="steps of the full setting (default 80)")
+    ap.add_argument("--n-test", type=int, default=None,
+                    help="held-out examples each accuracy is measured on (default 400; --quick: 200)")
+    ap.add_argument("--draws", default=None,
+                    help="comma-separated probe counts of the estimator study (default 1,100,1000; --quick: 1,100)")
     args = ap.parse_args(argv)
     page, results_file = outputs(args.out, PAGE, RESULTS)
     full_file = outputs(args.out, PAGE, FULL_RESULTS)[1]
@@ -248,7 +252,7 @@ def main(argv=None) -> None:
     head_steps = args.head_steps or (300 if quick else 1000)
     top_steps = args.top_steps or (40 if quick else 150)
     seeds = [42] if quick else [int(s) for s in args.seeds.split(",")]
-    n_test = 200 if quick else 400
+    n_test = args.n_test or (200 if quick else 400)
     batch = 16
 
     model, tok = data.load_minilm(2)
@@ -312,7 +316,7 @@ def main(argv=None) -> None:
     head = torch.nn.Sequential(bert.bert.pooler.dense, torch.nn.Tanh(), bert.classifier)
     seed42_problem.reset()
     y = torch.tensor(est_task.train[1])
-    draws = (1, 100) if quick else (1, 100, 1000)
+    draws = tuple(int(d) for d in args.draws.split(",")) if args.draws else (1, 100) if quick else (1, 100, 1000)
     extras["estimators_task"] = est_task.name
     extras["estimators_init"] = instrument(head, feats, y, batch, draws)
     opt = torch.optim.AdamW(head.parameters(), lr=chosen["AdamW"]["lr"])
@@ -370,7 +374,7 @@ def run_full(data_root: Path, results: Path, page: Path, args, started: float, l
     """The ``full`` setting alone (SST-2 k=16 seed 42); keeps its result and merges its section into ``page``."""
     steps = args.full_steps or (20 if args.quick else 80)
     grids = GRIDS["full"] if not args.quick else {k: v[-1:] for k, v in GRIDS["full"].items()}
-    task = data.sst2_task(data_root, 16, 42, 200 if args.quick else 400)
+    task = data.sst2_task(data_root, 16, 42, args.n_test or (200 if args.quick else 400))
     model, tok = data.load_minilm(2)
     problem = full_problem(model, tok, task, 16)
     summary = bench_problem(problem, grids, steps, max(1, steps // 10), log, FULL_OPTIMIZERS)
