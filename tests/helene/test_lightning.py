@@ -94,48 +94,36 @@ def test_checkpoint_resume_equals_uninterrupted_fit(tiny_model, tmp_path):
         assert torch.equal(p, q), n
 
 
-DDP_SCRIPT = r'''
-import sys, torch, lightning
-from functools import partial
-from torch.utils.data import DataLoader
-sys.path.insert(0, ".")
-from helene import ZOSGD
-from peftplug.lightning import PeftModule
-from peftplug.tiny import tiny_model
+class SaveRankRun(lightning.Callback):
+    """Writes each rank's batches and final parameters to ``<out>.<rank>`` (read back by the test process)."""
 
-class Save(lightning.Callback):
-    seen = []
+    def __init__(self, out: str):
+        self.out, self.seen = out, []
+
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         self.seen.append({k: v.clone() for k, v in batch.items()})
+
     def on_train_end(self, trainer, module):
         torch.save({"params": [p.detach().clone() for p in module.model.parameters()], "batches": self.seen},
-                   f"{OUT}.{trainer.global_rank}")
-
-def main():
-    batches = torch.load(f"{OUT}.batches")
-    module = PeftModule(tiny_model("bert", "seq_cls", seed=0, num_labels=2), task="seq_cls",
-                        optimizer=partial(ZOSGD, lr=1e-2, eps=1e-2, seed=RANK_SEED))
-    trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=3, logger=False,
-                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                default_root_dir=OUT + "_root", callbacks=[Save()])
-    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None, shuffle=False))
-
-if __name__ == "__main__":
-    main()
-'''
+                   f"{self.out}.{trainer.global_rank}")
 
 
-def test_ddp_two_processes_equal_one_process_over_the_global_batch(tiny_model, tmp_path, run_fresh):
+def test_ddp_two_processes_equal_one_process_over_the_global_batch(tiny_model, tmp_path):
     """One process trained on the concatenation of the two ranks' batches (as Lightning's distributed sampler
-    dealt them) takes the same steps: the closure's all-reduced loss is the global-batch mean."""
+    dealt them) takes the same steps: the closure's all-reduced loss is the global-batch mean.
+
+    ``ddp_spawn`` from this process: the two ranks are spawned interpreters (each imports the stack once, side by
+    side), which costs half of a fresh ``ddp`` script that imports it once more before launching them."""
     from torch.utils.data import DataLoader
 
     from peftplug.lightning import PeftModule
 
     out = str(tmp_path / "ddp")
     batches = _batches(n_batches=6, size=4, seed=1)
-    torch.save(batches, f"{out}.batches")
-    run_fresh(DDP_SCRIPT.replace("OUT", repr(out)).replace("RANK_SEED", "5"), timeout=600)
+    ddp = PeftModule(tiny_model("bert", "seq_cls", seed=0, num_labels=2), task="seq_cls",
+                     optimizer=partial(ZOSGD, lr=1e-2, eps=1e-2, seed=5))
+    _trainer(tmp_path / "ddp_root", devices=2, strategy="ddp_spawn", max_steps=3,
+             callbacks=[SaveRankRun(out)]).fit(ddp, train_dataloaders=DataLoader(batches, batch_size=None))
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert len(r0["batches"]) == len(r1["batches"]) == 3
     assert not torch.equal(r0["batches"][0]["input_ids"], r1["batches"][0]["input_ids"])
