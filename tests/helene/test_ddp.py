@@ -4,11 +4,14 @@ The ranks are given different optimizer seeds, so agreement needs the broadcast 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from helene import FZOO, Helene
 
+REPO = Path(__file__).resolve().parents[2]
 WORKER = r'''
 import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
 from helene import FZOO, Helene
@@ -23,15 +26,16 @@ def worker(rank, world, port, out):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
     x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-    model = build()
-    # Different optimizer seeds per rank on purpose: the broadcast step seed must make them agree.
-    opt = CLS(model.parameters(), seed=100 + rank, **KWARGS)
-    def closure():
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM)   # only this scalar is communicated
-        return loss / world
-    losses = [opt.step(closure).item() for _ in range(4)]
-    torch.save({"params": [p.detach() for p in model.parameters()], "losses": losses}, f"{out}.{rank}")
+    for name, (cls, kwargs) in SPECS.items():
+        model = build()
+        # Different optimizer seeds per rank on purpose: the broadcast step seed must make them agree.
+        opt = {"Helene": Helene, "FZOO": FZOO}[cls](model.parameters(), seed=100 + rank, **kwargs)
+        def closure():
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM)   # only this scalar is communicated
+            return loss / world
+        losses = [opt.step(closure).item() for _ in range(4)]
+        torch.save({"params": [p.detach() for p in model.parameters()], "losses": losses}, f"{out}.{name}.{rank}")
     dist.destroy_process_group()
 
 if __name__ == "__main__":
@@ -46,20 +50,32 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_two_gloo_processes_equal_one_process(tmp_path, run_fresh, name):
+@pytest.fixture(scope="module")
+def gloo_runs(tmp_path_factory) -> str:
+    """Both optimizers trained by one pair of gloo processes (one launch: each costs a fresh import of torch);
+    returns the prefix of their ``<prefix>.<name>.<rank>`` result files."""
+    import os
     import socket
-
-    cls, kwargs = OPTIMIZERS[name]
+    import subprocess
+    import sys
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = tmp_path / "ddp"
-    script = tmp_path / "ddp_worker.py"
-    script.write_text(WORKER.replace("CLS", cls.__name__).replace("KWARGS", repr(kwargs)))
-    run_fresh(f"import runpy, sys; sys.argv = ['w', '{port}', '{out}']; runpy.run_path('{script}', run_name='__main__')")
-    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    root = tmp_path_factory.mktemp("gloo")
+    script = root / "ddp_worker.py"
+    specs = {name: (cls.__name__, kwargs) for name, (cls, kwargs) in OPTIMIZERS.items()}
+    script.write_text(WORKER.replace("SPECS.items()", f"{specs!r}.items()"))
+    proc = subprocess.run([sys.executable, str(script), str(port), str(root / "ddp")], cwd=REPO, timeout=240,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
+    assert proc.returncode == 0, f"gloo workers failed:\n{proc.stdout}\n{proc.stderr}"
+    return str(root / "ddp")
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_two_gloo_processes_equal_one_process(gloo_runs, name):
+    cls, kwargs = OPTIMIZERS[name]
+    r0, r1 = torch.load(f"{gloo_runs}.{name}.0"), torch.load(f"{gloo_runs}.{name}.1")
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
