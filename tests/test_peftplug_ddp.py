@@ -43,11 +43,16 @@ def _adapter(kind: str):
         "nf4" if kind == "qoft" else "none")
 
 
-# Slow (make test-slow): OFTv2's sync is QOFT's (same adapter layers, an NF4 base under them) and the FSDP2 test's
-# DDP run trains OFTv2 too; zeroth-order DDP under Lightning is tests/helene/test_lightning.py's global-batch test.
-@pytest.mark.parametrize(("order", "kind"), [("first", "lora"), pytest.param("zeroth", "lora", marks=pytest.mark.slow),
-                                             pytest.param("first", "oftv2", marks=pytest.mark.slow),
-                                             ("first", "qoft")])
+# Each row costs two spawned interpreters (~20 s here), so CI runs QOFT's alone; the rest are slow (make test-slow):
+# OFTv2's sync is QOFT's (same adapter layers, an NF4 base under them) and the FSDP2 test's DDP run trains OFTv2 too;
+# LoRA's is PEFT's own layer under the same module; zeroth-order DDP under Lightning is tests/helene/test_lightning.py's
+# global-batch test.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(("order", "kind"), [pytest.param("first", "lora", marks=SLOW),
+                                             pytest.param("zeroth", "lora", marks=SLOW),
+                                             pytest.param("first", "oftv2", marks=SLOW), ("first", "qoft")])
 def test_ddp_two_processes_keep_adapters_in_sync(tmp_path, order, kind):
     rows = [{"prompt": f"{i:02d} plus {i:02d} is", "response": f" {2 * i}"} for i in range(16)]
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
