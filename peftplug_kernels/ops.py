@@ -174,8 +174,8 @@ def cayley_rotate(
     """``x R`` block-wise, ``R`` the rotation blocks of the triangles ``q_vec``: an OFTv2 layer's input rotation.
 
     With both implementations ``"torch"`` and a form :func:`peftplug_kernels.cayley_rotate.function.supports`
-    (the default Taylor form, 2–5 terms), one autograd Function computes the series and the rotation in 7 kernel
-    calls forward and 9 backward; otherwise :func:`cayley_neumann` and :func:`block_rotate` run one after the other
+    (the default Taylor form, 2–5 terms), one autograd Function computes the series and the rotation in 6 kernel
+    calls forward and 8 backward; otherwise :func:`cayley_neumann` and :func:`block_rotate` run one after the other
     (the Triton kernels, or the references).
 
     Args:
