@@ -44,6 +44,7 @@ from peftplug.sharding import (
     local_share,
     name_optimizer_states,
     shard_model,
+    zeroth_order_loss,
 )
 
 CHECKPOINT_KEY = "peftplug"
@@ -398,8 +399,7 @@ class PeftModule(L.LightningModule):
         world_size = self.trainer.world_size
 
         def closure() -> torch.Tensor:
-            with torch.no_grad():
-                loss = self(**batch).loss.detach().float()
+            loss = zeroth_order_loss(self.model, lambda: self(**batch).loss)
             if world_size > 1:
                 loss = self.trainer.strategy.reduce(loss, reduce_op="mean")
             return loss

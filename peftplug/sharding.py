@@ -19,6 +19,7 @@ the gather).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -132,6 +133,30 @@ def is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def zeroth_order_loss(model: torch.nn.Module, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """One forward of a zeroth-order step: ``compute()`` without autograd as a detached fp32 tensor, with every
+    FSDP2 unit of ``model`` resharded afterwards.
+
+    FSDP2 keeps the root unit's parameters gathered after its forward, for the backward that would reshard them. A
+    zeroth-order step has no backward and updates the sharded parameters in place between its forwards, so without
+    resharding the next forward would run on stale gathered copies of everything the root holds (embeddings, the
+    final norm, ``lm_head``): their updates would be lost (the blocks, resharded after each forward, were fine).
+
+    Args:
+        model: The model ``compute`` runs (sharded or not).
+        compute: Runs the forward and returns the loss.
+    """
+    with torch.no_grad():
+        loss = compute().detach().float()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+    return loss
 
 
 def shard_model(model: torch.nn.Module, mesh: Any, mixed_precision: str = "none") -> int:
