@@ -74,7 +74,7 @@ def _runs(code: Any, frame: Any, path: str) -> bool:
     if code.co_name != frame.name or os.path.abspath(code.co_filename) != path:
         return False
     lines = [line for *_, line in code.co_lines() if line is not None]
-    return bool(lines) and min(lines) <= frame.lineno <= max(lines)
+    return bool(lines) and frame.lineno is not None and min(lines) <= frame.lineno <= max(lines)
 
 
 def _owner(model: nn.Module, frame: Any) -> str | None:

@@ -44,7 +44,7 @@ def device() -> str:
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory):
     """The converted-model cache of the whole run (``PEFTPLUG_CACHE``, inherited by fresh processes), empty at its
-    start: the packaged SmolLM2 is converted from its GGUF exactly once per run (≈ 40 s, by whichever test loads it
+    start: the packaged SmolLM2 is converted from its GGUF exactly once per run (≈ 25 s, by whichever test loads it
     first; tests/test_gguf_models.py checks that conversion), and the suite never reads or writes a user's cache."""
     cache = tmp_path_factory.mktemp("peftplug-cache")
     with pytest.MonkeyPatch.context() as patch:

