@@ -16,6 +16,8 @@ WORKER = r'''
 import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
 from helene import FZOO, Helene
 
+SPECS = {SPECS_LITERAL}
+
 def build():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
@@ -29,7 +31,7 @@ def worker(rank, world, port, out):
     for name, (cls, kwargs) in SPECS.items():
         model = build()
         # Different optimizer seeds per rank on purpose: the broadcast step seed must make them agree.
-        opt = {"Helene": Helene, "FZOO": FZOO}[cls](model.parameters(), seed=100 + rank, **kwargs)
+        opt = cls(model.parameters(), seed=100 + rank, **kwargs)
         def closure():
             loss = torch.nn.functional.cross_entropy(model(x), y)
             dist.all_reduce(loss, op=dist.ReduceOp.SUM)   # only this scalar is communicated
@@ -64,8 +66,8 @@ def gloo_runs(tmp_path_factory) -> str:
         port = s.getsockname()[1]
     root = tmp_path_factory.mktemp("gloo")
     script = root / "ddp_worker.py"
-    specs = {name: (cls.__name__, kwargs) for name, (cls, kwargs) in OPTIMIZERS.items()}
-    script.write_text(WORKER.replace("SPECS.items()", f"{specs!r}.items()"))
+    specs = ", ".join(f"{name!r}: ({cls.__name__}, {kwargs!r})" for name, (cls, kwargs) in OPTIMIZERS.items())
+    script.write_text(WORKER.replace("{SPECS_LITERAL}", "{" + specs + "}"))
     proc = subprocess.run([sys.executable, str(script), str(port), str(root / "ddp")], cwd=REPO, timeout=240,
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
     assert proc.returncode == 0, f"gloo workers failed:\n{proc.stdout}\n{proc.stderr}"
