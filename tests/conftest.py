@@ -86,20 +86,42 @@ def data_dir() -> Path:
     return DATA_DIR
 
 
-@pytest.fixture
-def run_fresh(tmp_path):
-    """Runs a Python snippet in a fresh interpreter (cwd = repo root) and returns its stdout.
+@pytest.fixture(scope="session")
+def zygote(tmp_path_factory):
+    """The fork server of fresh processes (tests/fresh_interpreter.py), started at its first use, once per run."""
+    from fresh_interpreter import Zygote
 
-    Use sparingly: every fresh process pays the ~10 s import of peft/transformers.
+    server = None
+
+    def get() -> Zygote:
+        nonlocal server
+        if server is None:
+            server = Zygote(tmp_path_factory.mktemp("zygote"), {**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        return server
+
+    yield get
+    if server is not None:
+        server.close()
+
+
+@pytest.fixture
+def run_fresh(tmp_path, zygote):
+    """Runs a Python snippet in a fresh process (cwd = repo root) and returns its ``CompletedProcess``.
+
+    By default the process is a child of the fork server, which has imported torch, transformers, PEFT and
+    Lightning but nothing of this library (tests/fresh_interpreter.py says why that is what these tests need).
+    ``bare=True`` starts a new interpreter instead (~12 s here): for tests of what an import pulls in.
     """
 
-    def run(code: str, timeout: int = 240, check: bool = True) -> subprocess.CompletedProcess:
-        script = tmp_path / "fresh_snippet.py"
-        script.write_text(textwrap.dedent(code))
-        proc = subprocess.run(
-            [sys.executable, str(script)], check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
-            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-        )
+    def run(code: str, timeout: int = 240, check: bool = True, bare: bool = False) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        if bare:
+            script = tmp_path / "fresh_snippet.py"
+            script.write_text(textwrap.dedent(code))
+            proc = subprocess.run([sys.executable, str(script)], check=False, cwd=REPO_ROOT, capture_output=True,
+                                  text=True, timeout=timeout, env=env)
+        else:
+            proc = zygote().run(textwrap.dedent(code), [], env, REPO_ROOT, timeout)
         if check and proc.returncode != 0:
             raise AssertionError(f"fresh process failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         return proc

@@ -105,7 +105,7 @@ def test_exported_adapter_and_merged_model_answer_the_same(trained, run_fresh):
             answers.append(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip())
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("peftplug", "oftv2", "peft"))
         print(json.dumps({{"answers": answers, "loaded": loaded}}))
-    """)
+    """, bare=True)  # a bare interpreter: the fork server has peft loaded, and this checks it is never imported
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["loaded"] == []
     assert result["answers"] == expected

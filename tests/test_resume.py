@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -179,9 +177,10 @@ def test_without_the_data_position_the_resume_would_differ(tmp_path, _sigint_def
     assert any(not torch.equal(want[n], got[n]) for n in want)
 
 
-def test_sigterm_to_a_peftplug_fit_process_then_resume(tmp_path):
-    """A real `peftplug fit` process gets SIGTERM from outside while it trains; it exits with 143 after writing a
-    checkpoint, and `--ckpt_path last` completes the run to the uninterrupted adapter."""
+def test_sigterm_to_a_peftplug_fit_process_then_resume(tmp_path, zygote):
+    """A real `peftplug fit` process (a child of the suite's fork server: its own pid, nothing of peftplug loaded)
+    gets SIGTERM from outside while it trains; it exits with 143 after writing a checkpoint, and `--ckpt_path last`
+    completes the run to the uninterrupted adapter."""
     recipe = _recipe(tmp_path / "cut", "mezo")
     marker = tmp_path / "training"
     # A callback that announces step 4 and waits there (inside the step) until the signal has been received.
@@ -200,10 +199,11 @@ def test_sigterm_to_a_peftplug_fit_process_then_resume(tmp_path):
     """))
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    program = "import sys, torch; torch.set_num_threads(1); from peftplug.cli import main; sys.exit(main(sys.argv[1:]))"
-    args = [sys.executable, "-c", program, "fit", "--config", str(recipe),
-            "--trainer.callbacks+=pause_at_step.PauseAtStep"]
-    process = subprocess.Popen(args, env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    program = tmp_path / "fit_main.py"
+    program.write_text("import sys, torch; torch.set_num_threads(1); from peftplug.cli import main; "
+                       "sys.exit(main(sys.argv[1:]))")
+    process = zygote().start(program, ["fit", "--config", str(recipe), "--trainer.callbacks+=pause_at_step.PauseAtStep"],
+                             env, tmp_path)
     deadline = time.monotonic() + 300
     while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -331,15 +331,14 @@ print("not reached")
 """
 
 
-def test_a_kill_during_the_checkpoint_write_leaves_the_previous_one(tmp_path):
+def test_a_kill_during_the_checkpoint_write_leaves_the_previous_one(tmp_path, zygote):
     from peftplug.checkpoint_io import AtomicCheckpointIO
 
     path = tmp_path / "checkpoints" / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"w": torch.ones(3)}, path)
     previous = path.read_bytes()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(path), "400000"], check=False, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = zygote().run(_KILLED_WRITER, [str(path), "400000"], env, tmp_path, timeout=300)
     assert done.returncode == -signal.SIGXFSZ, done.stderr[-2000:]  # killed in the middle of writing 800 kB
     assert path.read_bytes() == previous and torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(3))
     assert sorted(p.name for p in path.parent.iterdir() if p.suffix == ".ckpt") == ["last.ckpt"]

@@ -353,7 +353,7 @@ def main(argv=None) -> dict | None:
         print("benchmarks.oftv2.gpu_step: torch sees no CUDA device (use --dry-run on a CPU)", file=sys.stderr)
         raise SystemExit(2)
     settings = {"shapes": DRY_SHAPES if args.dry_run else SHAPES, "batch": 1 if args.dry_run else 4,
-                "seq": 16 if args.dry_run else 1024, "warmup": args.warmup or (1 if args.dry_run else 3),
+                "seq": 16 if args.dry_run else 1024, "warmup": args.warmup if args.warmup is not None else (0 if args.dry_run else 3),
                 "steps": args.steps or (1 if args.dry_run else 6),
                 "dtype": "float32" if args.dry_run else "bfloat16",
                 "backend": "eager" if args.dry_run else "inductor", "profile": not args.no_profile}

@@ -333,7 +333,7 @@ def main(argv=None) -> int:
                         help="re-score the cached generations with the classifier in --classifier-dir, then report")
     args = parser.parse_args(argv)
 
-    torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS") or 1))  # set but empty: 1
     if not Path(args.data_dir).is_dir():
         print(f"skipped: no shared data directory at {args.data_dir}", file=sys.stderr)
         return 0

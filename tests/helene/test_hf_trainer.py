@@ -124,7 +124,7 @@ def test_import_helene_stays_torch_only(run_fresh):
         import sys
         import helene
         print(sorted(m for m in ("transformers", "lightning", "peft", "helene.hf") if m in sys.modules))
-    """)
+    """, bare=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 

@@ -74,6 +74,7 @@ def test_light_import_and_interpreter_after_an_early_triton_import(run_fresh, ne
         print("ok")
         """,
         timeout=180,
+        bare=True,  # import order is what this tests: a bare interpreter, not the fork server
     )
     assert proc.stdout.strip().endswith("ok")
 
