@@ -157,7 +157,7 @@ class Zygote:
                 [sys.executable, "-c", _SERVER, json.dumps(PRELOAD), json.dumps(FIRST_PARTY)], env=env,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True, bufsize=1,
             )
-        self.busy, self.count = False, 0
+        self.busy, self.count, self._pending = False, 0, b""
         if self.reply(timeout=300) is None:
             self.close()
             raise RuntimeError(f"the zygote did not start: {(workdir / 'zygote.err').read_text()[-2000:]}")
@@ -168,12 +168,16 @@ class Zygote:
         Args:
             timeout: Seconds to wait (0: do not wait; ``None``: no limit).
         """
-        ready, _, _ = select.select([self.server.stdout], [], [], timeout)
-        if not ready:
-            return None
-        line = self.server.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the zygote died: {(self.workdir / 'zygote.err').read_text()[-2000:]}")
+        # Read the descriptor ourselves: a buffered reader could hold the next reply where select cannot see it.
+        while b"\n" not in self._pending:
+            ready, _, _ = select.select([self.server.stdout], [], [], timeout)
+            if not ready:
+                return None
+            chunk = os.read(self.server.stdout.fileno(), 65536)
+            if not chunk:
+                raise RuntimeError(f"the zygote died: {(self.workdir / 'zygote.err').read_text()[-2000:]}")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
         return json.loads(line)
 
     def start(self, script: Path, argv: list[str], env: dict[str, str], cwd: Path) -> ForkedProcess:
