@@ -98,11 +98,14 @@ class ForkedProcess:
     def poll(self) -> int | None:
         """The exit status if the child has ended (negative: killed by that signal), else ``None``."""
         if self.returncode is None:
-            reply = self.zygote.reply(timeout=0)
-            if reply is not None:
-                self.returncode = reply["returncode"]
-                self.zygote.busy = False
+            self._record(self.zygote.reply(timeout=0))
         return self.returncode
+
+    def _record(self, reply: dict | None) -> None:
+        """Takes the server's "child ended" reply, if one came; the server is then free for the next child."""
+        if reply is not None:
+            self.returncode = reply["returncode"]
+            self.zygote.busy = False
 
     def send_signal(self, sig: int) -> None:
         """Sends ``sig`` to the child.
@@ -126,10 +129,7 @@ class ForkedProcess:
                 os.kill(self.pid, signal.SIGKILL)
                 self.wait()
                 raise subprocess.TimeoutExpired(f"forked child {self.pid}", timeout)
-            reply = self.zygote.reply(timeout=left)
-            if reply is not None:
-                self.returncode = reply["returncode"]
-                self.zygote.busy = False
+            self._record(self.zygote.reply(timeout=left))
         return self.returncode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
