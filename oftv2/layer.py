@@ -27,6 +27,7 @@ from torch import nn
 from peftplug_kernels import dispatch_table, ops
 from peftplug_kernels.cayley_neumann.reference import triangle_size
 from peftplug_kernels.cayley_rotate.reference import drop_blocks
+from peftplug_kernels.cayley_rotate.stacked import rotate_by
 
 from .adapter_params import AdapterParameterDict
 from .config import OFTv2Config
@@ -324,13 +325,20 @@ class OFTv2Layer(BaseTunerLayer):
         """``x R₁ … Rₙ`` over the active adapters of this layer (dropout in training mode).
 
         Each adapter's series and rotation run as one op (``ops.cayley_rotate``: on the torch path one autograd
-        Function with a hand-written backward, the fewest kernel calls per layer).
+        Function with a hand-written backward, the fewest kernel calls per layer), or, when ``oftv2.stacking``
+        computed this forward's blocks for the whole model, only the rotation.
 
         Args:
             x: ``[..., in_features]``.
         """
+        # Blocks that oftv2.stacking computed for the whole model in this forward (absent otherwise).
+        stacked = self.__dict__.get("_oftv2_stacked")
         for name in self.active_adapters:
             if name not in self.oftv2_Q:
+                continue
+            rotation = stacked.get(name) if stacked else None
+            if rotation is not None and (x.dtype != torch.float64 or rotation.dtype == torch.float64):
+                x = rotate_by(x, rotation)
                 continue
             settings = self.oftv2_settings[name]
             plan = self.kernel_plan(name)

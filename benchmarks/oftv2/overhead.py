@@ -45,7 +45,7 @@ from benchmarks.oftv2.overhead_ops import (
 )
 
 #: The unadapted stack first: every adapted method is read against it.
-METHODS = ("base", "OFTv2 b32", "LoRA r16", "PEFT OFT b32")
+METHODS = ("base", "OFTv2 b32", "OFTv2 b32 stacked", "LoRA r16", "PEFT OFT b32")
 MODES = ("eager", "compiled")
 #: The code a result depends on (what ``provenance`` checks for uncommitted changes).
 CODE = ("benchmarks", "peftplug", "oftv2", "peftplug_kernels")
@@ -95,7 +95,7 @@ def build(method: str, width: int, layers: int, seed: int = 0) -> nn.Module:
     stack = Stack(width, layers)
     if method == "base":
         return stack.requires_grad_(False)
-    if method == "OFTv2 b32":
+    if method.startswith("OFTv2 b32"):
         import oftv2
 
         config = oftv2.OFTv2Config(block_size=32, target_modules=["proj"])
@@ -106,7 +106,12 @@ def build(method: str, width: int, layers: int, seed: int = 0) -> nn.Module:
     else:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     # The adapted stack itself, not PeftModel: PEFT's wrapper costs once per model call, not per layer.
-    return peft.get_peft_model(stack, config).base_model.model
+    model = peft.get_peft_model(stack, config).base_model.model
+    if method.endswith("stacked"):
+        from oftv2.stacking import stack_rotations
+
+        stack_rotations(model)  # one batched series per forward of the stack (its hooks stay with the model)
+    return model
 
 
 def fwd_bwd(model: nn.Module, x: torch.Tensor):

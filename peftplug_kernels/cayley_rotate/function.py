@@ -157,8 +157,15 @@ def _series(q: torch.Tensor, powers: int) -> tuple[torch.Tensor, tuple[torch.Ten
     return torch.baddbmm(q, q, a), (a,)  # Q + Q(Q + Q²)
 
 
-def _series_grad(g: torch.Tensor, q: torch.Tensor, powers: int, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """dL/dQ from dL/dS for :func:`_series`, using ``Qᵀ = -Q`` (the caller projects it onto the triangle)."""
+def _series_grad(
+    g: torch.Tensor, q: torch.Tensor, powers: int, saved: tuple[torch.Tensor, ...], alpha: float = 1.0
+) -> torch.Tensor:
+    """dL/dQ from dL/dS for :func:`_series`, using ``Qᵀ = -Q`` (the caller projects it onto the triangle).
+
+    ``alpha`` scales ``g`` first (``R = I + 2S`` gives ``dL/dS = 2 dL/dR``); for the default series it rides on the
+    first two products (no extra call)."""
+    if powers != 4 and alpha != 1.0:
+        g = g * alpha
     if powers == 1:
         return g
     if powers == 2:  # S = Q + QQ: gQ = G + G Qᵀ + Qᵀ G
@@ -169,8 +176,8 @@ def _series_grad(g: torch.Tensor, q: torch.Tensor, powers: int, saved: tuple[tor
         grad_q = torch.baddbmm(g + grad_a, g, a.transpose(-1, -2))
         return torch.baddbmm(torch.baddbmm(grad_q, grad_a, q, alpha=-1), q, grad_a, alpha=-1)
     a, b = saved  # S = A B, A = Q + QQ, B = I + QQ
-    grad_a = torch.bmm(g, b.transpose(-1, -2))
-    h = torch.baddbmm(grad_a, a.transpose(-1, -2), g)  # gA + gB
+    grad_a = torch.baddbmm(g, g, b.transpose(-1, -2), beta=0, alpha=alpha) if alpha != 1.0 else torch.bmm(g, b.mT)
+    h = torch.baddbmm(grad_a, a.transpose(-1, -2), g, alpha=alpha)  # gA + gB
     return torch.baddbmm(torch.baddbmm(grad_a, h, q, alpha=-1), q, h, alpha=-1)
 
 
@@ -220,6 +227,24 @@ def _rotate(x: torch.Tensor, r: torch.Tensor, n_blocks: int, out_dtype: torch.dt
     return _cast(out, out_dtype)
 
 
+def rotation_grad(x: torch.Tensor, g: torch.Tensor, r: torch.Tensor, n_blocks: int, alpha: float = 1.0) -> torch.Tensor:
+    """``alpha · dL/dR`` of ``x R`` block-wise: ``alpha Σ_tokens x_blkᵀ g_blk`` in one call, ``[n, b, b]`` (``[1, b, b]``
+    summed over the width for a shared block ``r``).
+
+    Args:
+        x: ``[..., n_blocks · b]`` input, in ``r``'s dtype.
+        g: Gradient of the output, same shape and dtype.
+        r: The rotation blocks (only their shape, dtype and device are read: ``beta=0``).
+        n_blocks: Blocks across the width.
+        alpha: Scale folded into the product.
+    """
+    block = r.shape[-1]
+    if r.shape[0] == 1:
+        return torch.addmm(r[0], x.reshape(-1, block).t(), g.reshape(-1, block), beta=0, alpha=alpha).unsqueeze(0)
+    x_t = x.reshape(-1, n_blocks, block).permute(1, 2, 0)  # [n, b, tokens]
+    return torch.baddbmm(r, x_t, _blocks_first(g, n_blocks, block), beta=0, alpha=alpha)
+
+
 class CayleyRotateFunction(torch.autograd.Function):
     """``CayleyRotateFunction.apply(x, q_vec, block_size, terms, keep)`` -> ``x R`` with ``R`` from ``q_vec``.
 
@@ -263,14 +288,8 @@ class CayleyRotateFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _rotate(g, r.transpose(-1, -2), n_blocks, x.dtype)  # g Rᵀ
         if ctx.needs_input_grad[1]:
-            x_c = _cast(x, compute)
-            # alpha=2: the factor of R = I + 2S (beta=0: the first argument, any tensor of the right shape, is not read).
-            if r.shape[0] == 1:
-                flat_x = x_c.reshape(-1, block)
-                grad_s = torch.addmm(r[0], flat_x.t(), g.reshape(-1, block), beta=0, alpha=2).unsqueeze(0)
-            else:
-                x_t = x_c.reshape(-1, n_blocks, block).permute(1, 2, 0)  # [n, b, tokens]
-                grad_s = torch.baddbmm(r, x_t, _blocks_first(g, n_blocks, block), beta=0, alpha=2)
+            # alpha=2: the factor of R = I + 2S.
+            grad_s = rotation_grad(_cast(x, compute), g, r, n_blocks, alpha=2)
             if keep is not None:
                 grad_s = grad_s * keep
                 if q.shape[0] == 1:  # a shared block dropped per position: its gradient sums over positions

@@ -1,0 +1,163 @@
+"""Stacked rotations: the Cayley–Neumann series of every OFTv2 layer of a model as one batch per model forward.
+
+Each OFTv2 layer computes its rotation blocks from its own parameters on every forward: on the torch path 6 kernel
+calls forward and 8 backward per layer besides the rotation itself, which on a GPU are launches the step waits for
+(docs/benchmarks/oftv2_overhead.md). :func:`stack_rotations` adds a forward pre-hook to a model that computes the
+blocks of all its eligible adapters at once, grouped by block size, series length, dtype and device
+(``peftplug_kernels.cayley_rotate.stacked``), hands each layer its slice, and a forward hook that drops them when
+the forward ends. A layer then only rotates: 1 call forward, 2 backward.
+
+Eligible: adapters with the Taylor form (``orthogonalization="cayley_neumann"``, ``neumann_terms`` 2–5) and
+``kernel_impl`` ``"auto"`` or ``"torch"`` that rotate the layer's input (Linear, Embedding, bitsandbytes layers
+when not fused with the 4-bit matmul, Conv2d with ``conv_evaluation="input"``), except a shared block with block
+dropout. The others, and every layer called outside the hooked model's forward, compute their own rotation as
+before: the results are the same either way (tests/oftv2/test_oftv2_stacking.py).
+
+Not stacked (the hook computes nothing) while gradient checkpointing is on (a recomputed layer must repeat the ops of
+its first forward) or when the adapter parameters are sharded (FSDP2 gathers them layer by layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from peftplug_kernels.cayley_rotate.function import supports
+from peftplug_kernels.cayley_rotate.stacked import stacked_rotations
+
+from .conv import Conv2d
+from .layer import OFTv2Layer
+
+# Attribute of an OFTv2 layer holding ``{adapter name: rotation blocks}`` during a stacked forward.
+STACKED_ATTR = "_oftv2_stacked"
+
+
+def eligible(layer: OFTv2Layer, adapter_name: str) -> bool:
+    """Whether the stacked path computes this adapter's rotation (see the module docstring).
+
+    Args:
+        layer: An OFTv2 layer.
+        adapter_name: One of its adapters.
+    """
+    settings = layer.oftv2_settings[adapter_name]
+    if settings.impl == "triton" or not supports(settings.form, settings.terms):
+        return False
+    if settings.block_share and settings.dropout > 0:
+        return False
+    if isinstance(layer, Conv2d) and settings.conv_evaluation != "input":
+        return False  # "weight" (and "auto", per call) rotates the filter, not the input
+    return layer.kernel_plan(adapter_name).fused_max_tokens == 0
+
+
+def _sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a distributed tensor (FSDP2 shards parameters as DTensors)."""
+    return hasattr(t, "device_mesh") and hasattr(t, "placements")
+
+
+class StackedRotations:
+    """The hooks :func:`stack_rotations` registered; :meth:`remove` restores per-layer rotations.
+
+    Args:
+        model: The hooked model.
+        layers: Its OFTv2 layers.
+    """
+
+    def __init__(self, model: nn.Module, layers: list[OFTv2Layer]) -> None:
+        self.model = model
+        self.layers = layers
+        # Modules whose `gradient_checkpointing` flag transformers sets (read on every forward: it can change).
+        self._checkpointing = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+        self.enabled = True  # (dynamo cannot read the handles inside a compiled forward: a plain flag)
+        self._handles = [
+            model.register_forward_pre_hook(self._before),
+            model.register_forward_hook(self._after, always_call=True),
+        ]
+
+    def active(self) -> bool:
+        """Whether the next forward computes stacked rotations (hooks in place, no checkpointing, not sharded)."""
+        if not self.enabled or any(m.gradient_checkpointing is True for m in self._checkpointing):
+            return False
+        return not any(_sharded(p) for layer in self.layers[:1] for p in layer.oftv2_Q.values())
+
+    def _before(self, module: nn.Module, args) -> None:
+        self._clear()
+        if not self.active():
+            return
+        groups: dict[tuple, list[tuple[OFTv2Layer, str, torch.Tensor]]] = {}
+        for layer in self.layers:
+            if layer.disable_adapters or layer.merged:
+                continue
+            for name in layer.active_adapters:
+                if name not in layer.oftv2_Q or not eligible(layer, name):
+                    continue
+                q_vec = layer._series_input(name)
+                key = (layer.oftv2_block_size[name], layer.oftv2_settings[name].terms, q_vec.dtype, q_vec.device)
+                groups.setdefault(key, []).append((layer, name, q_vec))
+        for (block, terms, dtype, device), members in groups.items():
+            keep = self._keep(members, dtype, device)
+            rotations = stacked_rotations([q for _, _, q in members], block, terms, keep)
+            for (layer, name, _), rotation in zip(members, rotations):
+                cache = layer.__dict__.setdefault(STACKED_ATTR, {})
+                cache[name] = rotation
+
+    @staticmethod
+    def _keep(members: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """The group's block-dropout mask over its concatenated blocks, or ``None`` when no member drops blocks."""
+        masks = [layer._block_keep(name, dtype, device) if layer.training else None for layer, name, _ in members]
+        if all(m is None for m in masks):
+            return None
+        return torch.cat([
+            torch.ones(q.shape[0], 1, 1, dtype=dtype, device=device) if m is None else m
+            for m, (_, _, q) in zip(masks, members)
+        ])
+
+    def _after(self, module: nn.Module, args, output):
+        self._clear()
+        return output
+
+    def _clear(self) -> None:
+        for layer in self.layers:
+            layer.__dict__.pop(STACKED_ATTR, None)
+
+    def remove(self) -> None:
+        """Removes the hooks; every layer computes its own rotation again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.enabled = False
+        self._clear()
+
+
+def oftv2_layers(model: nn.Module) -> list[OFTv2Layer]:
+    """The OFTv2 layers of ``model``, in module order.
+
+    Args:
+        model: Any module.
+    """
+    return [m for m in model.modules() if isinstance(m, OFTv2Layer)]
+
+
+def stack_rotations(model: nn.Module, layers: Iterable[OFTv2Layer] | None = None) -> StackedRotations:
+    """Computes the rotations of all eligible OFTv2 adapters of ``model`` as one batch per forward of ``model``.
+
+    The same results as without (to rounding of batched products); fewer kernel calls per layer. Call it after
+    adding adapters (layers added later are not seen). A ``PeftModel`` is hooked on the transformers model inside
+    it (``get_base_model()``), whose forward both the PEFT forward and ``generate`` call.
+
+    Args:
+        model: A ``PeftModel`` or any module holding OFTv2 layers.
+        layers: Its OFTv2 layers (default: all of them, found now).
+
+    Returns:
+        The hooks, with ``remove()``.
+
+    Raises:
+        ValueError: When ``model`` holds no OFTv2 layer.
+    """
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    found = list(layers) if layers is not None else oftv2_layers(target)
+    if not found:
+        raise ValueError(f"stack_rotations: {type(model).__name__} holds no OFTv2 layer (add an OFTv2 adapter first)")
+    return StackedRotations(target, found)

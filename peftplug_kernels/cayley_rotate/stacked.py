@@ -1,0 +1,142 @@
+"""The Cayley–Neumann series of many layers in one batch, and the rotation of one layer by blocks computed elsewhere.
+
+The torch path of an OFTv2 layer (:class:`~peftplug_kernels.cayley_rotate.function.CayleyRotateFunction`) computes
+its rotation blocks ``R = I + 2 S`` from its own triangles on every forward: 6 kernel calls forward and 8 backward
+per layer, of which only the rotation itself (``x R`` forward; ``g Rᵀ`` and ``xᵀ g`` backward) depends on the
+layer's input. The series depends only on the parameters, so the series of every layer with the same block size
+and series length can run as one batch at the start of the model's forward:
+
+forward, once per model forward and group::
+
+    cat of the triangles, skew gather and sign, 3 baddbmm (m = 4)     6 calls, for all layers of the group
+    split into per-layer views                                       no call
+
+per layer: ``x R`` (1 call forward) and ``g Rᵀ``, ``xᵀ g`` (2 calls backward), by :class:`RotateByFunction`;
+
+backward, once per group: autograd joins the layers' ``dL/dR`` (one cat, from ``split``'s backward), then the
+series gradient and the triangle projection (6 calls) and the split of the triangles' gradients (views).
+
+With L layers that is ``3 + 13 / L`` calls per layer where the per-layer path made 14 (LoRA r16: 10); what it buys
+in time is measured in docs/benchmarks/oftv2_overhead.md. ``oftv2.stacking`` decides when a model uses it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .function import (
+    _cast,
+    _rotate,
+    _rotation,
+    _series_grad,
+    rotation_grad,
+    skew_gather,
+    skew_sign,
+    triangle_positions,
+)
+
+
+class StackedRotationFunction(torch.autograd.Function):
+    """``StackedRotationFunction.apply(block_size, terms, keep, *q_vecs)`` -> the rotation blocks of every layer.
+
+    Args (of ``apply``):
+        block_size: b, the same for every layer.
+        terms: Taylor series length, 2 to ``function.MAX_TERMS``, the same for every layer.
+        keep: ``None``, or a ``[Σ n_i, 1, 1]`` 0/1 block-dropout mask over the concatenated blocks (0 means ``R = I``).
+        *q_vecs: Each layer's ``[n_i, b(b-1)/2]`` triangles (``n_i = 1`` for a block shared across a width; not with
+            ``keep``), all of one floating dtype and device: the series runs in it.
+
+    Returns:
+        One ``[Σ n_i, b, b]`` tensor: :func:`stacked_rotations` splits it per layer (under autograd, so that the
+        layers' gradients reach the backward joined in one call).
+    """
+
+    @staticmethod
+    def forward(ctx, block_size, terms, keep, *q_vecs):
+        device, dtype = q_vecs[0].device, q_vecs[0].dtype
+        q_all = torch.cat(q_vecs) if len(q_vecs) > 1 else q_vecs[0]
+        q = torch.index_select(q_all, 1, skew_gather(block_size, device))
+        q = (q * skew_sign(block_size, device, dtype)).view(-1, block_size, block_size)
+        r, saved = _rotation(q, terms - 1, keep)
+        ctx.save_for_backward(q, keep, *saved)
+        ctx.rows = [t.shape[0] for t in q_vecs]
+        ctx.block_size, ctx.powers = block_size, terms - 1
+        return r
+
+    @staticmethod
+    def backward(ctx, grad_r):
+        q, keep, *saved = ctx.saved_tensors
+        if keep is not None:
+            grad_r = grad_r * keep
+        # alpha=2: R = I + 2S.
+        grad_q = _series_grad(grad_r, q, ctx.powers, saved, alpha=2.0)
+        skew_grad = torch.sub(grad_q, grad_q.transpose(-1, -2)).view(q.shape[0], -1)
+        grad_q_all = torch.index_select(skew_grad, 1, triangle_positions(ctx.block_size, q.device))
+        grads = grad_q_all.split(ctx.rows) if len(ctx.rows) > 1 else (grad_q_all,)
+        return (None, None, None, *(g if need else None for g, need in zip(grads, ctx.needs_input_grad[3:])))
+
+
+def stacked_rotations(
+    q_vecs: list[torch.Tensor], block_size: int, terms: int, keep: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """The rotation blocks ``R_i = I + 2 S(Q_i)`` of several layers, computed as one batch.
+
+    Args:
+        q_vecs: Each layer's ``[n_i, b(b-1)/2]`` triangles (one dtype and device).
+        block_size: b.
+        terms: Taylor series length, 2 to ``function.MAX_TERMS``.
+        keep: ``None``, or a ``[Σ n_i, 1, 1]`` 0/1 block-dropout mask in the triangles' dtype.
+
+    Returns:
+        ``R_i`` as ``[n_i, b, b]`` views of one tensor, in the order of ``q_vecs``.
+    """
+    r = StackedRotationFunction.apply(block_size, terms, keep, *q_vecs)
+    return r.split([t.shape[0] for t in q_vecs]) if len(q_vecs) > 1 else (r,)
+
+
+class RotateByFunction(torch.autograd.Function):
+    """``RotateByFunction.apply(x, r)`` -> ``x R`` block-wise, in ``x``'s dtype, computed in ``r``'s.
+
+    The per-layer half of the stacked path: one call forward, two backward (``g Rᵀ`` and ``xᵀ g``). Autograd through
+    ``torch.bmm`` would make the same calls plus the layout copies this avoids (see ``function._rotate``).
+
+    Args (of ``apply``):
+        x: ``[..., n_blocks · b]``.
+        r: ``[n_blocks, b, b]`` blocks, or one ``[1, b, b]`` block shared across the width.
+    """
+
+    @staticmethod
+    def forward(ctx, x, r):
+        block = r.shape[-1]
+        n_blocks = x.shape[-1] // block
+        ctx.save_for_backward(x, r)
+        ctx.n_blocks = n_blocks
+        return _rotate(_cast(x, r.dtype), r, n_blocks, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, r = ctx.saved_tensors
+        g = _cast(grad_out, r.dtype)
+        grad_x = grad_r = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _rotate(g, r.transpose(-1, -2), ctx.n_blocks, x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_r = rotation_grad(_cast(x, r.dtype), g, r, ctx.n_blocks)
+        return grad_x, grad_r
+
+
+def rotate_by(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``x R`` block-wise with precomputed blocks (gradients reach ``x`` and ``r``).
+
+    Args:
+        x: ``[..., n_blocks · b]``.
+        r: ``[n_blocks, b, b]`` or a shared ``[1, b, b]``.
+
+    Raises:
+        ValueError: When the blocks do not tile the width.
+    """
+    rows, block = r.shape[0], r.shape[-1]
+    width = x.shape[-1]
+    if r.dim() != 3 or width % block or rows not in (1, width // block):
+        raise ValueError(f"rotation {tuple(r.shape)} does not tile input width {width}")
+    return RotateByFunction.apply(x, r)

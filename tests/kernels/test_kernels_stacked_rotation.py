@@ -1,0 +1,89 @@
+"""cayley_rotate.stacked: the series of several layers as one batch, then each layer's rotation by its slice, against
+the reference composition per layer (fp64, to rounding), with gradients, block dropout and a shared block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peftplug_kernels.cayley_neumann.reference import triangle_size
+from peftplug_kernels.cayley_rotate import reference
+from peftplug_kernels.cayley_rotate.stacked import rotate_by, stacked_rotations
+
+B = 4
+# Blocks per layer; 0 stands for one block shared across a width of 3 blocks.
+LAYERS = (3, 0, 2)
+
+
+def _layers(seed: int, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    qs, xs = [], []
+    for n in LAYERS:
+        rows = 1 if n == 0 else n
+        qs.append((0.3 / B**0.5 * torch.randn(rows, triangle_size(B), generator=gen, dtype=dtype)).requires_grad_())
+        xs.append(torch.randn(2, 5, (n or 3) * B, generator=gen, dtype=dtype).requires_grad_())
+    return qs, xs
+
+
+@pytest.mark.parametrize("terms", [2, 3, 4, 5])
+def test_matches_per_layer_reference_fp64(terms):
+    qs, xs = _layers(terms)
+    outs = [rotate_by(x, r) for x, r in zip(xs, stacked_rotations(qs, B, terms))]
+    want = [reference.cayley_rotate(x, q, B, terms=terms) for x, q in zip(xs, qs)]
+    for got, expected in zip(outs, want):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    weights = [torch.randn_like(o) for o in outs]
+    inputs = qs + xs
+    got_grads = torch.autograd.grad(sum((o * w).sum() for o, w in zip(outs, weights)), inputs)
+    want_grads = torch.autograd.grad(sum((o * w).sum() for o, w in zip(want, weights)), inputs)
+    for got, expected in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_block_dropout_matches_reference_and_gradcheck():
+    gen = torch.Generator().manual_seed(0)
+    qs = [(0.1 * torch.randn(n, triangle_size(B), generator=gen, dtype=torch.float64)).requires_grad_() for n in (3, 2)]
+    xs = [torch.randn(4, n * B, generator=gen, dtype=torch.float64) for n in (3, 2)]
+    keep = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0], dtype=torch.float64).view(-1, 1, 1)
+
+    def stacked(*q):
+        return tuple(rotate_by(x, r) for x, r in zip(xs, stacked_rotations(list(q), B, 5, keep)))
+
+    per_layer = [reference.cayley_rotate(x, q, B, terms=5, keep=k) for x, q, k in zip(xs, qs, keep.split([3, 2]))]
+    for got, expected in zip(stacked(*qs), per_layer):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(stacked, tuple(qs))
+
+
+def test_unused_layer_gets_no_gradient_and_others_are_right():
+    qs, xs = _layers(7)
+    rotations = stacked_rotations(qs, B, 5)
+    loss = rotate_by(xs[0], rotations[0]).square().sum()  # layers 1 and 2 never use their blocks
+    grads = torch.autograd.grad(loss, qs, allow_unused=True)
+    want = torch.autograd.grad(reference.cayley_rotate(xs[0], qs[0], B, terms=5).square().sum(), qs[0])[0]
+    torch.testing.assert_close(grads[0], want, rtol=1e-10, atol=1e-12)
+    assert all(g is None or not g.any() for g in grads[1:])
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_rotate_by_computes_in_the_blocks_dtype(x_dtype):
+    qs, _ = _layers(3, dtype=torch.float32)
+    r = stacked_rotations(qs[:1], B, 5)[0]
+    x = torch.randn(6, 3 * B).to(x_dtype)
+    got = rotate_by(x, r)
+    assert got.dtype == x_dtype
+    want = reference.cayley_rotate(x.float(), qs[0], B, terms=5)
+    # Rotated in fp32 and rounded once: within fp32 rounding of the fp32 result, then one rounding to x's dtype.
+    rtol = 1e-5 if x_dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(got.float(), want, rtol=rtol, atol=1e-6)
+
+
+def test_rotate_by_gradcheck_shared_block():
+    x = torch.randn(3, 2 * B, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(1, B, B, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(rotate_by, (x, r))
+
+
+def test_rotate_by_rejects_blocks_that_do_not_tile_the_width():
+    with pytest.raises(ValueError, match="does not tile input width 10"):
+        rotate_by(torch.randn(2, 10), torch.eye(4).expand(2, 4, 4))
