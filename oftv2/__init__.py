@@ -34,6 +34,7 @@ from .interop import (
 )
 from .lora_export import LoraExport, export_lora, load_oft_family_adapter, lora_from_oftv2, save_lora_export
 from .lora_export_eval import lora_applied, measure_lora_export
+from .stacking import StackedRotations, stack_rotations
 
 __all__ = [
     "Conv2d",
@@ -45,6 +46,7 @@ __all__ = [
     "OFTv2Config",
     "OFTv2Layer",
     "OFTv2Model",
+    "StackedRotations",
     "export_lora",
     "export_peft_oft_adapter",
     "format_diagnostics",
@@ -59,6 +61,7 @@ __all__ = [
     "peft_terms_to_oftv2",
     "rotation_diagnostics",
     "save_lora_export",
+    "stack_rotations",
     "state_dict_from_peft_oft",
     "state_dict_to_peft_oft",
 ]

@@ -1,12 +1,12 @@
 """The overhead study's whole-model part: SmolLM2-135M training-step ratio OFTv2 b32 / LoRA r16 on CPU, eager and
 under ``torch.compile`` (Inductor), in one process.
 
-Both adapters on every linear layer of the real model (``smollm2-135m-instruct``, DESIGN.md §10: fp32, loaded from
-the converted GGUF), batch 4 × 64 random tokens, step = forward + backward + AdamW. The four configurations (two
-adapters × eager / compiled; each adapter's compiled module shares its eager model's parameters) are timed
-interleaved round by round after their first steps (the compiled ones compile there; that time is recorded), one
-torch thread, medians of process CPU time: on shared cores only ratios measured this way mean anything
-(DESIGN.md §11). ``--quick`` runs the same code on a tiny random Llama.
+The adapters on every linear layer of the real model (``smollm2-135m-instruct``, DESIGN.md §10: fp32, loaded
+from the converted GGUF), batch 4 × 64 random tokens, step = forward + backward + AdamW. The six configurations
+(OFTv2, OFTv2 with its rotations stacked by ``oftv2.stack_rotations``, LoRA; each eager and compiled, the compiled
+module sharing its eager model's parameters) are timed interleaved round by round after their first steps (the
+compiled ones compile there; that time is recorded), one torch thread, medians of process CPU time: on shared
+cores only ratios measured this way mean anything (DESIGN.md §11). ``--quick`` runs the same code on a tiny random Llama.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from benchmarks.common.timing import interleaved, lm_train_step
 from benchmarks.oftv2.overhead_ops import dynamo_stats, reset_dynamo_stats
 
 MODEL = "smollm2-135m-instruct"
-ADAPTERS = ("OFTv2 b32", "LoRA r16")
+ADAPTERS = ("OFTv2 b32", "OFTv2 b32 stacked", "LoRA r16")
 CONFIGS = tuple(f"{adapter} {mode}" for mode in ("eager", "compiled") for adapter in ADAPTERS)
 
 
@@ -37,7 +37,7 @@ def adapted_model(adapter: str, quick: bool) -> torch.nn.Module:
     """
     import peft
 
-    if adapter == "OFTv2 b32":
+    if adapter.startswith("OFTv2 b32"):
         import oftv2
 
         config = oftv2.OFTv2Config(block_size=32, target_modules="all-linear")
@@ -53,11 +53,14 @@ def adapted_model(adapter: str, quick: bool) -> torch.nn.Module:
         from peftplug.loading import load_model
 
         base = load_model(MODEL, "causal_lm", "none", "float32")
-    return peft.get_peft_model(base, config).train()
+    model = peft.get_peft_model(base, config).train()
+    if adapter.endswith("stacked"):
+        oftv2.stack_rotations(model)
+    return model
 
 
 def run(args, code_paths: tuple[str, ...]) -> dict:
-    """Measures the four configurations; returns the result record.
+    """Measures the six configurations; returns the result record.
 
     Args:
         args: The overhead command line (``quick``, ``threads``, ``llm_batch``, ``llm_seq``, ``llm_rounds``,

@@ -31,7 +31,7 @@ def test_kernel_count_of_a_frozen_linear_layer_is_the_hand_count():
 
 
 def test_quick_run_writes_both_parts_and_the_report_rebuilds_the_page(tmp_path, capsys):
-    from benchmarks.oftv2 import overhead, overhead_report
+    from benchmarks.oftv2 import overhead, overhead_llm, overhead_report
 
     out, page = tmp_path / "results", tmp_path / "oftv2_overhead.md"
     assert overhead.main(["--quick", "--label", "baseline", "--out-dir", str(out), "--page", str(page)]) == 0
@@ -46,7 +46,8 @@ def test_quick_run_writes_both_parts_and_the_report_rebuilds_the_page(tmp_path, 
         assert all(rows[m]["added_ops_per_layer"]["kernels"] > 0 for m in overhead.METHODS[1:])
         assert all(rec["samples_us"] and min(rec["samples_us"]) > 0 for rec in layers["widths"]["32"]["raw"][mode].values())
     assert all(r["dynamo"]["graph_breaks"] == 0 for r in layers["widths"]["32"]["raw"]["compiled"].values())
-    assert set(smollm2["timed"]) == {"OFTv2 b32 eager", "LoRA r16 eager", "OFTv2 b32 compiled", "LoRA r16 compiled"}
+    assert set(smollm2["timed"]) == {f"{a} {m}" for a in overhead_llm.ADAPTERS for m in ("eager", "compiled")}
+    assert "OFTv2 b32 stacked" in overhead_llm.ADAPTERS
     assert smollm2["timed"]["OFTv2 b32 compiled"]["dynamo"]["graphs"] >= 1
     text = page.read_text()
     assert "| eager | OFTv2 b32 |" in text and "| SmolLM2 step, compiled |" in text and "## Run `baseline`" in text
