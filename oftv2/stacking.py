@@ -51,6 +51,18 @@ def eligible(layer: OFTv2Layer, adapter_name: str) -> bool:
     return layer.kernel_plan(adapter_name).fused_max_tokens == 0
 
 
+def _joined_keep(members: list) -> torch.Tensor | None:
+    """A group's block-dropout mask over its concatenated blocks (``None`` when no member drops blocks).
+
+    Args:
+        members: ``(layer, adapter, triangles, mask or None)`` of the group.
+    """
+    if all(keep is None for *_, keep in members):
+        return None
+    return torch.cat([torch.ones(q.shape[0], 1, 1, dtype=q.dtype, device=q.device) if keep is None else keep
+                      for _, _, q, keep in members])
+
+
 def _sharded(t: torch.Tensor) -> bool:
     """Whether ``t`` is a distributed tensor (FSDP2 shards parameters as DTensors)."""
     return hasattr(t, "device_mesh") and hasattr(t, "placements")
@@ -85,7 +97,9 @@ class StackedRotations:
         self._clear()
         if not self.active():
             return
-        groups: dict[tuple, list[tuple[OFTv2Layer, str, torch.Tensor]]] = {}
+        # (layer, adapter, triangles, dropout mask) per group; masks drawn layer by layer in module order, the order
+        # in which a sequential model's layers would draw them: the same seed drops the same blocks either way.
+        groups: dict[tuple, list[tuple[OFTv2Layer, str, torch.Tensor, torch.Tensor | None]]] = {}
         for layer in self.layers:
             if layer.disable_adapters or layer.merged:
                 continue
@@ -93,25 +107,14 @@ class StackedRotations:
                 if name not in layer.oftv2_Q or not eligible(layer, name):
                     continue
                 q_vec = layer._series_input(name)
+                keep = layer._block_keep(name, q_vec.dtype, q_vec.device) if layer.training else None
                 key = (layer.oftv2_block_size[name], layer.oftv2_settings[name].terms, q_vec.dtype, q_vec.device)
-                groups.setdefault(key, []).append((layer, name, q_vec))
-        for (block, terms, dtype, device), members in groups.items():
-            keep = self._keep(members, dtype, device)
-            rotations = stacked_rotations([q for _, _, q in members], block, terms, keep)
-            for (layer, name, _), rotation in zip(members, rotations):
-                cache = layer.__dict__.setdefault(STACKED_ATTR, {})
-                cache[name] = rotation
-
-    @staticmethod
-    def _keep(members: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        """The group's block-dropout mask over its concatenated blocks, or ``None`` when no member drops blocks."""
-        masks = [layer._block_keep(name, dtype, device) if layer.training else None for layer, name, _ in members]
-        if all(m is None for m in masks):
-            return None
-        return torch.cat([
-            torch.ones(q.shape[0], 1, 1, dtype=dtype, device=device) if m is None else m
-            for m, (_, _, q) in zip(masks, members)
-        ])
+                groups.setdefault(key, []).append((layer, name, q_vec, keep))
+        for (block, terms, _, _), members in groups.items():
+            q_vecs = [q for _, _, q, _ in members]
+            rotations = stacked_rotations(q_vecs, block, terms, _joined_keep(members))
+            for (layer, name, _, _), rotation in zip(members, rotations):
+                layer.__dict__.setdefault(STACKED_ATTR, {})[name] = rotation
 
     def _after(self, module: nn.Module, args, output):
         self._clear()

@@ -125,6 +125,15 @@ def test_oftv2_tiny_llama_all_linear(impl):
     assert_compiled_matches_eager(model, _lm_batch(), _lm_loss)
 
 
+def test_oftv2_stacked_rotations_tiny_llama():
+    # oftv2.stack_rotations: the hooks that batch every layer's series trace into the same single graph.
+    model = peft.get_peft_model(_tiny_llama(), oftv2.OFTv2Config(r=8, target_modules="all-linear"))
+    randomize_q(model, std=0.05)
+    oftv2.stack_rotations(model)
+    model.train()
+    assert_compiled_matches_eager(model, _lm_batch(), _lm_loss)
+
+
 def test_oftv2_inductor():
     # The default backend: Inductor generates and compiles C++ for the forward and the backward (the one case that
     # pays for it, hence the smallest model: one adapted linear layer).

@@ -44,20 +44,6 @@ import torch
 MAX_TERMS = 5
 
 
-def compile_constant(fn):
-    """Marks ``fn`` as returning a constant under ``torch.compile`` (dynamo bakes its result into the graph).
-
-    What ``torch.compiler.assume_constant_result`` does (it sets this attribute), without importing ``torch._dynamo``
-    when this module is imported: dynamo imports Triton, and ``peftplug_kernels.ops`` must import without it
-    (``tests/kernels/test_kernels_cayley_rotate.py`` checks that both mark a function the same way).
-
-    Args:
-        fn: A function of Python constants (block size, device, dtype) returning a cached tensor.
-    """
-    fn._dynamo_marked_constant = True
-    return fn
-
-
 def supports(form: str, terms: int) -> bool:
     """Whether :class:`CayleyRotateFunction` computes this form and series length.
 
@@ -68,22 +54,28 @@ def supports(form: str, terms: int) -> bool:
     return form == "cayley_neumann" and 2 <= terms <= MAX_TERMS
 
 
-@compile_constant
+# The index and sign tables below are cached per block size and device in eager mode (building them is a measurable
+# share of a small layer's step on CPU). Under torch.compile they are built inline instead: Inductor folds them into
+# constants. (Marked as constant results, dynamo lifted them as graph inputs under one name per function, and a
+# second block size in the same graph made their sizes symbolic: fullgraph failed for models whose layers differ in
+# block size.)
+
+
 def skew_gather(block_size: int, device: torch.device) -> torch.Tensor:
     """Index ``[b·b]`` into a triangle vector for every entry of the flattened skew matrix (0 on the diagonal).
 
     ``vec(Q) = q[:, skew_gather(b)] · skew_sign(b)``: one gather and one multiply, where a zero fill, an index_put and
-    a subtraction (and their backward) ran before. Cached per block size and device; a constant under
-    ``torch.compile``.
+    a subtraction (and their backward) ran before.
 
     Args:
         block_size: b.
         device: Where the index lives.
     """
+    if torch.compiler.is_compiling():
+        return _build_skew_tables(block_size, device)[0]
     return _skew_tables(block_size, device)[0]
 
 
-@compile_constant
 def skew_sign(block_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``[b·b]`` signs of :func:`skew_gather`'s entries: +1 above the diagonal, -1 below, 0 on it.
 
@@ -92,10 +84,11 @@ def skew_sign(block_size: int, device: torch.device, dtype: torch.dtype) -> torc
         device: Where the signs live.
         dtype: Their dtype (that of the triangles).
     """
+    if torch.compiler.is_compiling():
+        return _build_skew_sign(block_size, device, dtype)
     return _skew_sign(block_size, device, dtype)
 
 
-@compile_constant
 def triangle_positions(block_size: int, device: torch.device) -> torch.Tensor:
     """Flat positions ``i·b + j`` of the strict upper triangle, in ``triu_indices`` order (packs a gradient).
 
@@ -103,21 +96,26 @@ def triangle_positions(block_size: int, device: torch.device) -> torch.Tensor:
         block_size: b.
         device: Where the index lives.
     """
+    if torch.compiler.is_compiling():
+        return _build_skew_tables(block_size, device)[1]
     return _skew_tables(block_size, device)[1]
 
 
-@compile_constant
 def identity(block_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A cached ``b × b`` identity (one fewer kernel call per layer and forward than ``torch.eye``).
+    """A ``b × b`` identity (cached in eager mode: one fewer kernel call per layer and forward than ``torch.eye``).
 
     Args:
         block_size: b.
         device: Where it lives.
         dtype: Its dtype.
     """
+    if torch.compiler.is_compiling():
+        return torch.eye(block_size, dtype=dtype, device=device)
     return _identity(block_size, device, dtype)
 
 
+# Cached tables are built outside inference mode: an inference tensor in the cache could not be saved for a later
+# backward.
 @functools.lru_cache(maxsize=32)
 def _identity(block_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     with torch.inference_mode(False):
@@ -126,24 +124,31 @@ def _identity(block_size: int, device: torch.device, dtype: torch.dtype) -> torc
 
 @functools.lru_cache(maxsize=32)
 def _skew_tables(block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    # Built outside inference mode: an inference tensor in the cache could not be saved for a later backward.
     with torch.inference_mode(False):
-        rows, cols = torch.triu_indices(block_size, block_size, 1, device=device)
-        t = torch.arange(rows.numel(), device=device)
-        gather = torch.zeros(block_size * block_size, dtype=torch.long, device=device)
-        gather[rows * block_size + cols] = t
-        gather[cols * block_size + rows] = t
-        return gather, rows * block_size + cols
+        return _build_skew_tables(block_size, device)
 
 
 @functools.lru_cache(maxsize=32)
 def _skew_sign(block_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     with torch.inference_mode(False):
-        rows, cols = torch.triu_indices(block_size, block_size, 1, device=device)
-        sign = torch.zeros(block_size * block_size, dtype=dtype, device=device)
-        sign[rows * block_size + cols] = 1.0
-        sign[cols * block_size + rows] = -1.0
-        return sign
+        return _build_skew_sign(block_size, device, dtype)
+
+
+def _build_skew_tables(block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = torch.triu_indices(block_size, block_size, 1, device=device)
+    t = torch.arange(rows.numel(), device=device)
+    gather = torch.zeros(block_size * block_size, dtype=torch.long, device=device)
+    gather[rows * block_size + cols] = t
+    gather[cols * block_size + rows] = t
+    return gather, rows * block_size + cols
+
+
+def _build_skew_sign(block_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    rows, cols = torch.triu_indices(block_size, block_size, 1, device=device)
+    sign = torch.zeros(block_size * block_size, dtype=dtype, device=device)
+    sign[rows * block_size + cols] = 1.0
+    sign[cols * block_size + rows] = -1.0
+    return sign
 
 
 def _series(q: torch.Tensor, powers: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:

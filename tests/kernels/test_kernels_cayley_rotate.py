@@ -150,30 +150,22 @@ def test_compiles_fullgraph_and_equals_eager():
     torch.testing.assert_close(_grads(y_c, (x, q), torch.ones_like(y)), expected)
 
 
-def test_compile_constant_marks_as_torch_does():
-    def probe():
-        return 1
+def test_two_block_sizes_compile_in_one_graph():
+    # The index tables were once constant results lifted as graph inputs under one name per function: a second block
+    # size in the same graph made their sizes symbolic and fullgraph compilation failed (a Llama with r=8 has blocks
+    # of 8 and 16). Built inline under compile, each block size's tables have static shapes.
+    x4, q4 = _inputs(3, 4, 3, dtype=torch.float32)
+    x8, q8 = _inputs(2, 8, 2, dtype=torch.float32, seed=1)
 
-    def marked():
-        return 1
+    def fn(x4_, q4_, x8_, q8_):
+        return (lean.CayleyRotateFunction.apply(x4_, q4_, 4, 5, None).sum()
+                + lean.CayleyRotateFunction.apply(x8_, q8_, 8, 5, None).sum())
 
-    torch.compiler.assume_constant_result(probe)
-    lean.compile_constant(marked)
-    assert vars(probe) == vars(marked) == {"_dynamo_marked_constant": True}
-
-
-def test_index_tables_are_constants_in_the_compiled_graph():
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    x, q = _inputs(3, 4, 3, dtype=torch.float32)
+    inputs = (x4, q4, x8, q8)
+    expected_loss = fn(*inputs)
+    expected = torch.autograd.grad(expected_loss, inputs)
     torch._dynamo.reset()
-    torch.compile(lambda x_, q_: lean.CayleyRotateFunction.apply(x_, q_, 4, 5, None), backend=backend,
-                  fullgraph=True)(x, q)
-    code = graphs[0].print_readable(print_output=False)  # with the autograd Function's forward and backward bodies
-    # Built by the cached table functions: none of their ops may run inside the compiled graph (without the mark,
-    # dynamo traces through the cache and they do).
-    assert "triu_indices" not in code and "eye" not in code, code
+    loss = torch.compile(fn, backend="aot_eager", fullgraph=True)(*inputs)
+    torch.testing.assert_close(loss, expected_loss)
+    for got, want in zip(torch.autograd.grad(loss, inputs), expected):
+        torch.testing.assert_close(got, want)

@@ -1,0 +1,164 @@
+"""oftv2.stack_rotations: one batched series per model forward gives the per-layer results (loss, gradients,
+generation, block dropout, several adapters), runs only where it may (not under gradient checkpointing, not for
+forms it has no program for), and leaves nothing behind (hooks removable, cache dropped even when the forward
+raises)."""
+
+from __future__ import annotations
+
+import copy
+
+import peft
+import pytest
+import torch
+from oftv2_helpers import MixedLayers, randomize_q
+from torch import nn
+
+import oftv2
+from oftv2 import stacking
+from peftplug_kernels import ops
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the batched series (``stacked``) and the per-layer series + rotation ops (``per_layer``) called."""
+    counts = {"stacked": 0, "per_layer": 0}
+
+    def counted(fn, key):
+        def wrapper(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(stacking, "stacked_rotations", counted(stacking.stacked_rotations, "stacked"))
+    monkeypatch.setattr(ops, "cayley_rotate", counted(ops.cayley_rotate, "per_layer"))
+    return counts
+
+
+def _llama_pair(tiny_model, config, seed=0):
+    """The same OFTv2 tiny Llama twice (random rotations, training mode); the second one stacked."""
+    model = peft.get_peft_model(tiny_model("llama", num_hidden_layers=2), config)
+    randomize_q(model, std=0.05, seed=seed)
+    model.train()
+    stacked = copy.deepcopy(model)
+    handle = oftv2.stack_rotations(stacked)
+    return model, stacked, handle
+
+
+def _loss_and_grads(model, tokens, seed=0):
+    torch.manual_seed(seed)  # block dropout draws its masks from the global generator
+    loss = model(tokens, labels=tokens).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _assert_same_step(plain, stacked, tokens, seed=0):
+    loss, grads = _loss_and_grads(plain, tokens, seed)
+    loss_s, grads_s = _loss_and_grads(stacked, tokens, seed)
+    torch.testing.assert_close(loss_s, loss, rtol=1e-6, atol=1e-6)
+    assert grads and grads.keys() == grads_s.keys()
+    assert any(g.abs().max() > 0 for g in grads.values())
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_s[name], grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_llama_all_linear_equals_per_layer_with_one_batch_per_block_size(tiny_model, tokens, calls, dropout):
+    # r=8: block 8 on the 64-wide inputs, 16 on down_proj's 128: two groups, so two batched series per forward.
+    config = oftv2.OFTv2Config(r=8, target_modules="all-linear", module_dropout=dropout)
+    plain, stacked, _ = _llama_pair(tiny_model, config)
+    _assert_same_step(plain, stacked, tokens)
+    per_layer_calls = calls["per_layer"]
+    assert per_layer_calls == 14  # the plain model: 7 linears × 2 decoder layers
+    _loss_and_grads(stacked, tokens)
+    assert calls == {"stacked": 4, "per_layer": per_layer_calls}  # 2 groups × 2 forwards, no per-layer series
+    assert all(stacking.STACKED_ATTR not in layer.__dict__ for layer in stacking.oftv2_layers(stacked))
+
+
+def test_several_active_adapters_compose_in_order(tiny_model, tokens, calls):
+    config = oftv2.OFTv2Config(block_size=8, target_modules=["q_proj", "down_proj"])
+    plain = peft.get_peft_model(tiny_model("llama", num_hidden_layers=2), config)
+    plain.add_adapter("second", oftv2.OFTv2Config(r=4, target_modules=["q_proj", "down_proj"]))
+    plain.base_model.set_adapter(["default", "second"])
+    randomize_q(plain, std=0.05, seed=3)
+    stacked = copy.deepcopy(plain)
+    oftv2.stack_rotations(stacked)
+    with torch.no_grad():
+        torch.testing.assert_close(stacked(tokens).logits, plain(tokens).logits, rtol=1e-5, atol=1e-6)
+    assert calls["stacked"] == 3  # blocks of 8 (both adapters on q_proj, the first on down_proj), 16 and 32
+
+
+def test_linear_conv_embedding_and_ineligible_forms(calls):
+    """Embedding, Conv2d (input evaluation; weight evaluation computes its own blocks) and Linear; the exact Cayley
+    form and a shared block with dropout keep their per-layer path inside a stacked model."""
+    ids = torch.randint(0, 10, (2, 5), generator=torch.Generator().manual_seed(1))
+    for conv_evaluation in ("input", "weight"):
+        plain = peft.get_peft_model(MixedLayers(), oftv2.OFTv2Config(
+            block_size=4, target_modules=["embed", "conv", "proj"], conv_evaluation=conv_evaluation))
+        randomize_q(plain, std=0.05)
+        stacked = copy.deepcopy(plain)
+        oftv2.stack_rotations(stacked)
+        for model in (plain, stacked):
+            model(ids).square().mean().backward()
+        for (name, p), q in zip(plain.named_parameters(), stacked.parameters()):
+            if p.requires_grad:
+                torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    layer = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    for config in (oftv2.OFTv2Config(block_size=4, target_modules=["0", "1"], orthogonalization="cayley"),
+                   oftv2.OFTv2Config(block_size=4, target_modules=["0", "1"], block_share=True, module_dropout=0.5)):
+        model = peft.get_peft_model(copy.deepcopy(layer), config).train()
+        assert not any(stacking.eligible(m, "default") for m in stacking.oftv2_layers(model))
+        oftv2.stack_rotations(model)
+        before = dict(calls)
+        model(torch.randn(3, 8)).sum().backward()
+        assert calls["stacked"] == before["stacked"]
+
+
+def test_generate_through_the_peft_model_is_unchanged(tiny_model, tokens, calls):
+    config = oftv2.OFTv2Config(block_size=8, target_modules="all-linear")
+    plain, stacked, _ = _llama_pair(tiny_model, config)
+    plain.eval()
+    stacked.eval()
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(stacked.generate(input_ids=tokens, **kwargs), plain.generate(input_ids=tokens, **kwargs))
+    assert calls["stacked"] == 4  # one batched series per generated token: generate calls the hooked inner model
+
+
+def test_gradient_checkpointing_turns_stacking_off(tiny_model, tokens, calls):
+    config = oftv2.OFTv2Config(block_size=8, target_modules=["q_proj", "v_proj"])
+    plain, stacked, handle = _llama_pair(tiny_model, config)
+    for model in (plain, stacked):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert not handle.active()
+    _assert_same_step(plain, stacked, tokens)
+    assert calls["stacked"] == 0
+    stacked.gradient_checkpointing_disable()
+    assert handle.active()
+
+
+def test_disabled_adapters_and_remove(tiny_model, tokens, calls):
+    config = oftv2.OFTv2Config(block_size=8, target_modules=["q_proj"])
+    plain, stacked, handle = _llama_pair(tiny_model, config)
+    with torch.no_grad():
+        with stacked.disable_adapter():
+            base = stacked(tokens).logits
+        assert calls["stacked"] == 0  # every layer bypassed: nothing to stack
+        with plain.disable_adapter():
+            torch.testing.assert_close(base, plain(tokens).logits)
+        handle.remove()
+        torch.testing.assert_close(stacked(tokens).logits, plain(tokens).logits, rtol=1e-5, atol=1e-6)
+    assert calls["stacked"] == 0 and not handle.active()
+
+
+def test_a_failing_forward_drops_the_cache(tiny_model, calls):
+    _, stacked, _ = _llama_pair(tiny_model, oftv2.OFTv2Config(block_size=8, target_modules=["q_proj"]))
+    with pytest.raises(Exception):
+        stacked(torch.full((1, 4), 10_000))  # token id beyond the vocabulary: the embedding raises
+    assert calls["stacked"] == 1
+    assert all(stacking.STACKED_ATTR not in layer.__dict__ for layer in stacking.oftv2_layers(stacked))
+
+
+def test_a_model_without_oftv2_layers_is_refused():
+    with pytest.raises(ValueError, match="Linear holds no OFTv2 layer"):
+        oftv2.stack_rotations(nn.Linear(4, 4))
