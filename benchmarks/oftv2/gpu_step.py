@@ -55,10 +55,13 @@ DRY_SHAPES = {
 #: ``OFTv2 b32, kernel_impl=torch``: the torch path (one autograd Function a layer, ``peftplug_kernels.cayley_rotate``)
 #: against the Triton kernels ``auto`` runs on sm_90: which one the dispatch table should choose.
 TORCH_PATH = "OFTv2 b32, kernel_impl=torch"
-ADAPTERS = ("OFTv2 b32", "LoRA r16", "PEFT OFT b32", TORCH_PATH)
+#: ``OFTv2 b32, stacked rotations``: ``oftv2.stack_rotations`` on the model, one batched series per forward and only
+#: the rotation per layer (1 kernel forward, 2 backward): whether it pays on a launch-bound GPU step.
+STACKED = "OFTv2 b32, stacked rotations"
+ADAPTERS = ("OFTv2 b32", "LoRA r16", "PEFT OFT b32", TORCH_PATH, STACKED)
 #: What a method is called on an NF4 base.
 NF4_NAMES = {"OFTv2 b32": "QOFT b32", "LoRA r16": "QLoRA r16", "PEFT OFT b32": "PEFT OFT b32",
-             TORCH_PATH: "QOFT b32, kernel_impl=torch"}
+             TORCH_PATH: "QOFT b32, kernel_impl=torch", STACKED: "QOFT b32, stacked rotations"}
 
 
 @dataclass(frozen=True)
@@ -91,12 +94,14 @@ PLAN = (
     Row("1.1B", "bf16", "LoRA r16", "eager"), Row("1.1B", "bf16", "OFTv2 b32", "eager"),
     Row("1.1B", "nf4", "LoRA r16", "eager"), Row("1.1B", "nf4", "OFTv2 b32", "eager"),
     Row("1.1B", "bf16", TORCH_PATH, "eager"),
+    Row("1.1B", "bf16", STACKED, "eager"), Row("1.1B", "nf4", STACKED, "eager"),
     Row("1.1B", "bf16", "OFTv2 b32", "compiled"),
     Row("7B-class widths", "bf16", "LoRA r16", "eager"), Row("7B-class widths", "bf16", "OFTv2 b32", "eager"),
     Row("7B-class widths", "nf4", "LoRA r16", "eager"), Row("7B-class widths", "nf4", "OFTv2 b32", "eager"),
     Row("1.1B", "bf16", "LoRA r16", "compiled"),
     Row("1.1B", "bf16", "PEFT OFT b32", "eager"), Row("1.1B", "nf4", "PEFT OFT b32", "eager"),
     Row("7B-class widths", "bf16", "PEFT OFT b32", "eager"), Row("7B-class widths", "nf4", "PEFT OFT b32", "eager"),
+    Row("1.1B", "bf16", STACKED, "compiled"),
 )
 #: Seconds a row is expected to take before one like it has run (a 1.1B compile took 37–86 s on the H200).
 FIRST_GUESS_S = {"eager": 20.0, "compiled": 110.0}
@@ -113,7 +118,7 @@ def peft_config(adapter: str):
     """
     import peft
 
-    if adapter in ("OFTv2 b32", TORCH_PATH):
+    if adapter in ("OFTv2 b32", TORCH_PATH, STACKED):
         import oftv2
 
         impl = "torch" if adapter == TORCH_PATH else "auto"
@@ -188,6 +193,10 @@ def measure_row(row: Row, settings: dict, device: str) -> dict:
     if row.quant == "nf4":
         quantize_linears_(model, dtype)
     model = peft.get_peft_model(model, peft_config(row.adapter)).train()
+    if row.adapter == STACKED:
+        import oftv2
+
+        oftv2.stack_rotations(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=1e-5)
     run = model

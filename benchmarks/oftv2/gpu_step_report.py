@@ -85,6 +85,18 @@ def targets(record: dict) -> list[tuple[str, str, str]]:
     r = ratio(torch_path, oft, "step_ms")
     add("table check: OFTv2 torch path ≤ auto (Triton) eager, 1.1B bf16", r, 1.0,
         f"{fmt(torch_path and torch_path['step_ms'], '.1f')} ms = {fmt(r, '.3f')}×")
+    # Not a target either: whether oftv2.stack_rotations (one batched series per forward) reaches LoRA's step.
+    for quant, anchor in (("bf16", lora), ("nf4", qlora)):
+        stacked = _find(rows, "1.1B", quant, "OFTv2 b32, stacked rotations" if quant == "bf16"
+                        else "QOFT b32, stacked rotations", "eager")
+        r = ratio(stacked, anchor, "step_ms")
+        add(f"stacked rotations: eager {'OFTv2' if quant == 'bf16' else 'QOFT'} ≤ "
+            f"{'LoRA' if quant == 'bf16' else 'QLoRA'} r16, 1.1B {quant}", r, 1.0,
+            f"{fmt(stacked and stacked['step_ms'], '.1f')} ms = {fmt(r, '.3f')}×")
+    stacked_c = _find(rows, "1.1B", "bf16", "OFTv2 b32, stacked rotations", "compiled")
+    r = stacked_c["step_ms"] / lora_c_ms if stacked_c else None
+    add("stacked rotations: compiled OFTv2 ≤ compiled LoRA r16, 1.1B bf16", r, 1.0,
+        f"{fmt(stacked_c and stacked_c['step_ms'], '.1f')} ms = {fmt(r, '.3f')}×")
     return out
 
 

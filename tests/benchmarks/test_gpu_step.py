@@ -41,7 +41,7 @@ def test_dry_run_measures_every_row_and_checks_the_targets(tmp_path, capsys):
         assert "error" not in row and "skipped" not in row, row
         assert row["step_ms"] > 0 and math.isfinite(row["loss"]) and row["trainable"] > 0
     compiled = [r for r in saved["rows"] if r["mode"] == "compiled"]
-    assert len(compiled) == 2 and all(r["dynamo"]["graphs"] >= 1 for r in compiled)
+    assert len(compiled) == 3 and all(r["dynamo"]["graphs"] >= 1 for r in compiled)
     # QOFT and QLoRA name the NF4 rows; OFTv2 trains fewer parameters than LoRA r16.
     methods = {(r["quant"], r["adapter"]): r for r in saved["rows"] if r["mode"] == "eager" and r["shape"] == "1.1B"}
     assert methods[("nf4", "OFTv2 b32")]["method"] == "QOFT b32"
@@ -49,9 +49,12 @@ def test_dry_run_measures_every_row_and_checks_the_targets(tmp_path, capsys):
     text = (tmp_path / "gpu_step.md").read_text()
     assert text in capsys.readouterr().out
     verdicts = {name: verdict for name, _, verdict in step_report.targets(saved)}
-    assert len(verdicts) == 8 and set(verdicts.values()) <= {"met", "not met", "not measured"}
-    # The dispatch-table question is answered from the torch-path row the plan runs.
+    assert len(verdicts) == 11 and set(verdicts.values()) <= {"met", "not met", "not measured"}
+    # The dispatch-table question is answered from the torch-path row the plan runs, the stacked-rotation one from
+    # its rows (stack_rotations on the bf16 and the NF4 base, eager and compiled).
     assert verdicts["table check: OFTv2 torch path ≤ auto (Triton) eager, 1.1B bf16"] in {"met", "not met"}
+    assert {v for k, v in verdicts.items() if k.startswith("stacked rotations")} <= {"met", "not met"}
+    assert len([k for k in verdicts if k.startswith("stacked rotations")]) == 3
     # CPU has no allocator statistics: the memory targets say so rather than pass.
     assert verdicts["peak memory OFTv2 ≤ 0.75 × LoRA r16's, 1.1B bf16"] == "not measured"
     assert "| compiled OFTv2 ≤ compiled LoRA r16 (" in text and " ms, this run) |" in text
