@@ -150,6 +150,8 @@ class OFTv2Layer(BaseTunerLayer):
     rotates_output: bool = False
     # What rotation_width() measures, for error messages.
     width_label: str = "input width"
+    # Whether oftv2.stack_rotations hooked the model around this layer (set per layer while its hooks exist).
+    oftv2_stacking: bool = False
 
     def __init__(self, base_layer: nn.Module, **kwargs) -> None:
         self.base_layer = base_layer
@@ -331,8 +333,10 @@ class OFTv2Layer(BaseTunerLayer):
         Args:
             x: ``[..., in_features]``.
         """
-        # Blocks that oftv2.stacking computed for the whole model in this forward (absent otherwise).
-        stacked = self.__dict__.get("_oftv2_stacked")
+        # Blocks that oftv2.stacking computed for the whole model in this forward (absent otherwise). The flag is
+        # read first so that a compiled graph guards on it: dynamo does not guard module hooks, and a graph traced
+        # before stack_rotations (or for another model) must not be reused once the hooks exist.
+        stacked = self.__dict__.get("_oftv2_stacked") if self.oftv2_stacking else None
         for name in self.active_adapters:
             if name not in self.oftv2_Q:
                 continue

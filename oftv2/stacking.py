@@ -82,6 +82,8 @@ class StackedRotations:
         # Modules whose `gradient_checkpointing` flag transformers sets (read on every forward: it can change).
         self._checkpointing = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
         self.enabled = True  # (dynamo cannot read the handles inside a compiled forward: a plain flag)
+        for layer in layers:
+            layer.oftv2_stacking = True  # read by every forward, so compiled graphs guard on it (hooks are not)
         self._handles = [
             model.register_forward_pre_hook(self._before),
             model.register_forward_hook(self._after, always_call=True),
@@ -131,6 +133,8 @@ class StackedRotations:
         self._handles = []
         self.enabled = False
         self._clear()
+        for layer in self.layers:
+            layer.__dict__.pop("oftv2_stacking", None)
 
 
 def oftv2_layers(model: nn.Module) -> list[OFTv2Layer]:

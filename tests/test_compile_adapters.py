@@ -134,6 +134,31 @@ def test_oftv2_stacked_rotations_tiny_llama():
     assert_compiled_matches_eager(model, _lm_batch(), _lm_loss)
 
 
+def test_stack_rotations_after_compile_is_seen_and_remove_reverts():
+    # Dynamo does not guard module hooks: the layers' stacking flag makes a graph traced without the hooks fail its
+    # guards once stack_rotations added them (a graph of the batched series is traced), and pass again after remove().
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.print_readable(print_output=False))
+        return gm.forward
+
+    model = peft.get_peft_model(_tiny_llama(), oftv2.OFTv2Config(block_size=8, target_modules=["q_proj", "v_proj"]))
+    randomize_q(model, std=0.05)
+    batch = _lm_batch()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        plain_loss = compiled(**batch).loss
+        handle = oftv2.stack_rotations(model)
+        stacked_loss = compiled(**batch).loss
+        # The second graph runs the batched series (its source lines are in the graph's comments), the first not.
+        assert len(graphs) == 2 and "stacked.py" not in graphs[0] and "stacked.py" in graphs[1]
+        handle.remove()
+        torch.testing.assert_close(compiled(**batch).loss, plain_loss)
+    assert len(graphs) == 2  # the first graph serves again
+    torch.testing.assert_close(stacked_loss, plain_loss, rtol=1e-6, atol=1e-6)
+
+
 def test_oftv2_inductor():
     # The default backend: Inductor generates and compiles C++ for the forward and the backward (the one case that
     # pays for it, hence the smallest model: one adapted linear layer).

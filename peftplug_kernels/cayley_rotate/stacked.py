@@ -37,14 +37,16 @@ from .function import (
 
 
 class StackedRotationFunction(torch.autograd.Function):
-    """``StackedRotationFunction.apply(block_size, terms, keep, *q_vecs)`` -> the rotation blocks of every layer.
+    """``StackedRotationFunction.apply(block_size, terms, *q_vecs, keep)`` -> the rotation blocks of every layer.
 
     Args (of ``apply``):
         block_size: b, the same for every layer.
         terms: Taylor series length, 2 to ``function.MAX_TERMS``, the same for every layer.
-        keep: ``None``, or a ``[Σ n_i, 1, 1]`` 0/1 block-dropout mask over the concatenated blocks (0 means ``R = I``).
         *q_vecs: Each layer's ``[n_i, b(b-1)/2]`` triangles (``n_i = 1`` for a block shared across a width; not with
             ``keep``), all of one floating dtype and device: the series runs in it.
+        keep: Last: ``None``, or a ``[Σ n_i, 1, 1]`` 0/1 block-dropout mask over the concatenated blocks (0 means
+            ``R = I``). (After the triangles: dynamo, tracing this Function without grad, mis-binds a ``None`` placed
+            before the variable arguments.)
 
     Returns:
         One ``[Σ n_i, b, b]`` tensor: :func:`stacked_rotations` splits it per layer (under autograd, so that the
@@ -52,7 +54,8 @@ class StackedRotationFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, block_size, terms, keep, *q_vecs):
+    def forward(ctx, block_size, terms, *tensors):
+        *q_vecs, keep = tensors
         device, dtype = q_vecs[0].device, q_vecs[0].dtype
         q_all = torch.cat(q_vecs) if len(q_vecs) > 1 else q_vecs[0]
         q = torch.index_select(q_all, 1, skew_gather(block_size, device))
@@ -73,7 +76,7 @@ class StackedRotationFunction(torch.autograd.Function):
         skew_grad = torch.sub(grad_q, grad_q.transpose(-1, -2)).view(q.shape[0], -1)
         grad_q_all = torch.index_select(skew_grad, 1, triangle_positions(ctx.block_size, q.device))
         grads = grad_q_all.split(ctx.rows) if len(ctx.rows) > 1 else (grad_q_all,)
-        return (None, None, None, *(g if need else None for g, need in zip(grads, ctx.needs_input_grad[3:])))
+        return (None, None, *(g if need else None for g, need in zip(grads, ctx.needs_input_grad[2:])), None)
 
 
 def stacked_rotations(
@@ -90,7 +93,7 @@ def stacked_rotations(
     Returns:
         ``R_i`` as ``[n_i, b, b]`` views of one tensor, in the order of ``q_vecs``.
     """
-    r = StackedRotationFunction.apply(block_size, terms, keep, *q_vecs)
+    r = StackedRotationFunction.apply(block_size, terms, *q_vecs, keep)
     return r.split([t.shape[0] for t in q_vecs]) if len(q_vecs) > 1 else (r,)
 
 
