@@ -53,6 +53,10 @@ class OFTv2Config(PeftConfig):
             gradient) or ``"auto"`` (default: per layer and call, ``"input"`` when the output has fewer pixels
             ``batch · H_out · W_out`` times groups than the layer has output channels, else ``"weight"``, the
             crossover measured on CPU; see docs/oftv2.md).
+        stack_rotations: Compute the rotation blocks of every adapted layer as one batch per model forward
+            (``oftv2.stack_rotations``; a layer then only rotates its input: 1 kernel call forward and 2 backward
+            where it computed its own series in 6 and 8). Same results; off under gradient checkpointing and FSDP2
+            (see docs/oftv2.md). Model-wide: on when any loaded adapter's config sets it.
         target_modules: Module names (list: exact or suffix match; str: regex) or ``"all-linear"``.
         exclude_modules: Module names (same matching rules) never to adapt.
         layers_to_transform: Layer indices to adapt (int or list of non-negative ints).
@@ -86,6 +90,9 @@ class OFTv2Config(PeftConfig):
     )
     conv_evaluation: Literal["auto", "weight", "input"] = field(
         default="auto", metadata={"help": f"Conv2d evaluation, one of {CONV_EVALUATIONS}."}
+    )
+    stack_rotations: bool = field(
+        default=False, metadata={"help": "One batched rotation series per model forward (fewer kernel calls)."}
     )
     target_modules: list[str] | str | None = field(
         default=None, metadata={"help": "Module names or regex to adapt, or 'all-linear'."}
@@ -144,7 +151,7 @@ class OFTv2Config(PeftConfig):
                 f"`neumann_terms` must be an integer in [2, {MAX_NEUMANN_TERMS}] (with 1 term R = I), "
                 f"got {self.neumann_terms!r}"
             )
-        for name in ("block_share", "init_weights", "fan_in_fan_out"):
+        for name in ("block_share", "init_weights", "fan_in_fan_out", "stack_rotations"):
             if not isinstance(getattr(self, name), bool):
                 # ValueError for every bad config value (the house rule), wrong type included.
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}")  # noqa: TRY004

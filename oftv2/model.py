@@ -15,6 +15,7 @@ from .config import OFTv2Config
 from .conv import dispatch_conv2d
 from .embedding import dispatch_embedding
 from .layer import OFTv2Layer, dispatch_default
+from .stacking import stack_rotations
 
 Dispatcher = Callable[..., nn.Module | None]
 # Plain torch layer types the default dispatchers adapt (transformers' Conv1D too; bnb layers via oftv2.bnb).
@@ -100,6 +101,25 @@ class OFTv2Model(BaseTuner):
             if not any(m in str(err) for m in _NO_MATCH_MESSAGES):
                 raise
             raise type(err)(f"{err} {adaptable_modules_hint(model)}") from err
+        self._sync_stacking()
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        """PEFT's deletion; the stacked-rotation hooks then follow the adapters that remain.
+
+        Args:
+            adapter_name: The adapter to delete.
+        """
+        super().delete_adapter(adapter_name)
+        self._sync_stacking()
+
+    def _sync_stacking(self) -> None:
+        """(Re)installs ``oftv2.stack_rotations`` on the wrapped model when any adapter's config sets
+        ``stack_rotations`` (over the layers that exist now), and removes it when none does."""
+        current = self.__dict__.pop("_oftv2_stacking", None)
+        if current is not None:
+            current.remove()
+        if any(getattr(config, "stack_rotations", False) for config in self.peft_config.values()):
+            self.__dict__["_oftv2_stacking"] = stack_rotations(self.model)
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):

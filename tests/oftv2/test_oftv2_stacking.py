@@ -162,3 +162,31 @@ def test_a_failing_forward_drops_the_cache(tiny_model, calls):
 def test_a_model_without_oftv2_layers_is_refused():
     with pytest.raises(ValueError, match="Linear holds no OFTv2 layer"):
         oftv2.stack_rotations(nn.Linear(4, 4))
+
+
+def test_config_option_installs_stacking_and_follows_the_adapters(tiny_model, tokens, calls):
+    config = oftv2.OFTv2Config(block_size=8, target_modules=["q_proj"], stack_rotations=True)
+    model = peft.get_peft_model(tiny_model("llama", num_hidden_layers=2), config)
+    randomize_q(model, std=0.05)
+    plain = copy.deepcopy(model)
+    plain.base_model._oftv2_stacking.remove()
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, plain(tokens).logits, rtol=1e-5, atol=1e-6)
+    assert calls["stacked"] == 1
+    # An added adapter's layers join the hooks; deleting the only adapter asking for stacking removes them.
+    model.add_adapter("other", oftv2.OFTv2Config(block_size=8, target_modules=["v_proj"]))
+    assert len(model.base_model._oftv2_stacking.layers) == 4
+    model.base_model.set_adapter("other")
+    model.delete_adapter("default")
+    assert "_oftv2_stacking" not in model.base_model.__dict__
+    assert not any(layer.oftv2_stacking for layer in stacking.oftv2_layers(model))
+
+
+def test_config_option_is_validated_and_saved(tmp_path, tiny_model):
+    with pytest.raises(ValueError, match="`stack_rotations` must be a bool"):
+        oftv2.OFTv2Config(block_size=8, target_modules=["q_proj"], stack_rotations="yes")
+    config = oftv2.OFTv2Config(block_size=8, target_modules=["q_proj"], stack_rotations=True)
+    peft.get_peft_model(tiny_model("llama"), config).save_pretrained(tmp_path)
+    loaded = peft.PeftModel.from_pretrained(tiny_model("llama"), tmp_path)
+    assert loaded.peft_config["default"].stack_rotations is True
+    assert "_oftv2_stacking" in loaded.base_model.__dict__
