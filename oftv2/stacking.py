@@ -93,7 +93,8 @@ class StackedRotations:
         """Whether the next forward computes stacked rotations (hooks in place, no checkpointing, not sharded)."""
         if not self.enabled or any(m.gradient_checkpointing is True for m in self._checkpointing):
             return False
-        return not any(_sharded(p) for layer in self.layers[:1] for p in layer.oftv2_Q.values())
+        first = self.layers[0]
+        return not any(_sharded(first.oftv2_Q[name]) for name in first.oftv2_Q)
 
     def _before(self, module: nn.Module, args) -> None:
         self._clear()

@@ -190,3 +190,33 @@ def test_config_option_is_validated_and_saved(tmp_path, tiny_model):
     loaded = peft.PeftModel.from_pretrained(tiny_model("llama"), tmp_path)
     assert loaded.peft_config["default"].stack_rotations is True
     assert "_oftv2_stacking" in loaded.base_model.__dict__
+
+
+def test_fsdp2_sharded_adapters_keep_their_per_layer_path(tmp_path, tiny_model, tokens, calls):
+    # FSDP2 gathers each block's parameters in that block's own pre-forward: at the model's pre-forward they are
+    # still shards (DTensors), so the hook must leave every layer to compute its own blocks (one-rank gloo group).
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():
+        pytest.skip("a default process group is already initialized")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        config = oftv2.OFTv2Config(block_size=8, target_modules=["q_proj"], stack_rotations=True)
+        model = peft.get_peft_model(tiny_model("llama", num_hidden_layers=2), config)
+        randomize_q(model, std=0.05)
+        plain_loss = copy.deepcopy(model)(tokens, labels=tokens).loss  # unsharded: stacked (one batched series)
+        handle = model.base_model._oftv2_stacking
+        assert handle.active()
+        inner = model.get_base_model()
+        for block in inner.model.layers:
+            fully_shard(block)
+        fully_shard(inner)
+        assert not handle.active()
+        loss = model(tokens, labels=tokens).loss
+        loss.backward()
+        torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-6)
+        assert calls["stacked"] == 1  # the unsharded copy's forward only
+        assert all(p.grad is not None for n, p in model.named_parameters() if "oftv2_Q" in n)
+    finally:
+        dist.destroy_process_group()
