@@ -80,7 +80,8 @@ def run_command(prog: str, command: Callable[[list[str]], int | None], argv: Seq
 
     A user error (see :func:`user_error_types`) prints ``<prog>: error: <one line>`` on stderr and returns 2; with
     ``--debug`` or ``PEFTPLUG_DEBUG=1`` its traceback is printed first. Any other exception propagates with its
-    traceback: it is a bug. ``SystemExit`` (``--help``, argparse usage errors) passes through.
+    traceback: it is a bug. ``SystemExit`` (``--help``, argparse usage errors) passes through. Output into a pipe
+    whose reader has gone (``| head``) ends the program quietly with status 141.
 
     Args:
         prog: Program name shown before ``error:``, e.g. ``"peftplug"``.
@@ -98,3 +99,9 @@ def run_command(prog: str, command: Callable[[list[str]], int | None], argv: Seq
             traceback.print_exception(err, file=sys.stderr)
         print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
         return 2
+    except BrokenPipeError:
+        # The reader of our output left (`peftplug fit --help | head`): stop quietly, as `cat` would. Pointing
+        # stdout at /dev/null spares the interpreter's last flush the same error.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a process its pipe's reader closed

@@ -351,6 +351,26 @@ def test_unknown_exceptions_keep_their_traceback():
         run_command("peftplug", buggy, [])
 
 
+def test_output_into_a_closed_pipe_ends_quietly(run_fresh):
+    # `peftplug fit --help | head`: the reader leaves while the help is being written. A fresh process, since the
+    # boundary points the process's stdout at /dev/null.
+    proc = run_fresh("""
+        import os, sys
+        from peftplug.errors import run_command
+
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader has gone
+        os.dup2(write_end, sys.stdout.fileno())
+
+        def long_help(argv):
+            for _ in range(10_000):
+                print("option " * 20)
+
+        print("status", run_command("peftplug", long_help, []), file=sys.stderr)
+    """)
+    assert proc.stderr.strip() == "status 141", proc.stderr
+
+
 def test_help_and_unavailable_subcommand(capsys, monkeypatch):
     import peftplug.cli as cli_module
 
