@@ -58,6 +58,10 @@ class RotationSettings:
     conv_evaluation: str = "auto"
 
 
+# Attribute of a layer holding ``{adapter name: rotation blocks}`` while oftv2.stacking's hooks run a forward.
+STACKED_ATTR = "_oftv2_stacked"
+
+
 def valid_block_sizes(width: int) -> list[int]:
     """Block sizes (>= 2) that divide ``width``.
 
@@ -336,7 +340,7 @@ class OFTv2Layer(BaseTunerLayer):
         # Blocks that oftv2.stacking computed for the whole model in this forward (absent otherwise). The flag is
         # read first so that a compiled graph guards on it: dynamo does not guard module hooks, and a graph traced
         # before stack_rotations (or for another model) must not be reused once the hooks exist.
-        stacked = self.__dict__.get("_oftv2_stacked") if self.oftv2_stacking else None
+        stacked = self.__dict__.get(STACKED_ATTR) if self.oftv2_stacking else None
         for name in self.active_adapters:
             if name not in self.oftv2_Q:
                 continue

@@ -28,10 +28,7 @@ from peftplug_kernels.cayley_rotate.function import supports
 from peftplug_kernels.cayley_rotate.stacked import stacked_rotations
 
 from .conv import Conv2d
-from .layer import OFTv2Layer
-
-# Attribute of an OFTv2 layer holding ``{adapter name: rotation blocks}`` during a stacked forward.
-STACKED_ATTR = "_oftv2_stacked"
+from .layer import STACKED_ATTR, OFTv2Layer
 
 
 def eligible(layer: OFTv2Layer, adapter_name: str) -> bool:
