@@ -248,3 +248,28 @@ def test_export_unwraps_modules_to_save_and_does_not_fold_a_merged_adapter_twice
     assert not any("modules_to_save" in k or "original_module" in k for k in exported.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(exported(**batch).logits, current, rtol=1e-4, atol=1e-4)
+
+
+def test_stacked_rotations_on_a_4bit_base_equal_the_per_layer_path(load_quantized, randomize, batch):
+    # QOFT with OFTv2Config(stack_rotations=True): the 4-bit layers (not fused with the matmul on this device) take
+    # their blocks from the model's one batched series; loss and gradients are the per-layer path's.
+    base = load_quantized(4, "nf4", True)
+    keep_exact_4bit_layout(base)
+    model = _adapt(base, kernel_impl="auto", stack_rotations=True).train()
+    randomize(model, std=0.05)
+    layers = [m for m in model.modules() if isinstance(m, qoft.Linear4bit)]
+    assert all(oftv2.stacking.eligible(layer, "default") for layer in layers)
+
+    def step():
+        loss = model(**batch, labels=batch["input_ids"]).loss
+        loss.backward()
+        grads = [p.grad.clone() for n, p in model.named_parameters() if "oftv2_Q" in n]
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads
+
+    stacked_loss, stacked_grads = step()
+    model.base_model._oftv2_stacking.remove()
+    loss, grads = step()
+    torch.testing.assert_close(stacked_loss, loss, rtol=1e-6, atol=1e-6)
+    for got, want in zip(stacked_grads, grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
