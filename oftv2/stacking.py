@@ -5,7 +5,7 @@ calls forward and 8 backward per layer besides the rotation itself, which on a G
 (docs/benchmarks/oftv2_overhead.md). :func:`stack_rotations` adds a forward pre-hook to a model that computes the
 blocks of all its eligible adapters at once, grouped by block size, series length, dtype and device
 (``peftplug_kernels.cayley_rotate.stacked``), hands each layer its slice, and a forward hook that drops them when
-the forward ends. A layer then only rotates: 1 call forward, 2 backward.
+the forward ends. A layer then only rotates: 2 calls forward, 3 backward.
 
 Eligible: adapters with the Taylor form (``orthogonalization="cayley_neumann"``, ``neumann_terms`` 2–5) and
 ``kernel_impl`` ``"auto"`` or ``"torch"`` that rotate the layer's input (Linear, Embedding, bitsandbytes layers

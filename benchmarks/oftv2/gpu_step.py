@@ -56,7 +56,7 @@ DRY_SHAPES = {
 #: against the Triton kernels ``auto`` runs on sm_90: which one the dispatch table should choose.
 TORCH_PATH = "OFTv2 b32, kernel_impl=torch"
 #: ``OFTv2 b32, stacked rotations``: ``oftv2.stack_rotations`` on the model, one batched series per forward and only
-#: the rotation per layer (1 kernel forward, 2 backward): whether it pays on a launch-bound GPU step.
+#: the rotation per layer (2 kernels forward, 3 backward): whether it pays on a launch-bound GPU step.
 STACKED = "OFTv2 b32, stacked rotations"
 ADAPTERS = ("OFTv2 b32", "LoRA r16", "PEFT OFT b32", TORCH_PATH, STACKED)
 #: What a method is called on an NF4 base.

@@ -11,12 +11,12 @@ forward, once per model forward and group::
     cat of the triangles, skew gather and sign, 3 baddbmm (m = 4)     6 calls, for all layers of the group
     split into per-layer views                                       no call
 
-per layer: ``x R`` (1 call forward) and ``g Rᵀ``, ``xᵀ g`` (2 calls backward), by :class:`RotateByFunction`;
+per layer: ``x R`` and a layout copy forward, ``g Rᵀ``, ``xᵀ g`` and a copy backward (:func:`rotate_by`);
 
 backward, once per group: autograd joins the layers' ``dL/dR`` (one cat, from ``split``'s backward), then the
 series gradient and the triangle projection (6 calls) and the split of the triangles' gradients (views).
 
-With L layers that is ``3 + 13 / L`` calls per layer where the per-layer path made 14 (LoRA r16: 10); what it buys
+With L layers that is ``5 + 13 / L`` calls per layer where the per-layer path made 14 (LoRA r16: 10); what it buys
 in time is measured in docs/benchmarks/oftv2_overhead.md. ``oftv2.stacking`` decides when a model uses it.
 """
 
@@ -24,16 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .function import (
-    _cast,
-    _rotate,
-    _rotation,
-    _series_grad,
-    rotation_grad,
-    skew_gather,
-    skew_sign,
-    triangle_positions,
-)
+from .function import _cast, _rotation, _series_grad, skew_gather, skew_sign, triangle_positions
 
 
 class StackedRotationFunction(torch.autograd.Function):
@@ -97,39 +88,13 @@ def stacked_rotations(
     return r.split([t.shape[0] for t in q_vecs]) if len(q_vecs) > 1 else (r,)
 
 
-class RotateByFunction(torch.autograd.Function):
-    """``RotateByFunction.apply(x, r)`` -> ``x R`` block-wise, in ``x``'s dtype, computed in ``r``'s.
-
-    The per-layer half of the stacked path: one call forward, two backward (``g Rᵀ`` and ``xᵀ g``). Autograd through
-    ``torch.bmm`` would make the same calls plus the layout copies this avoids (see ``function._rotate``).
-
-    Args (of ``apply``):
-        x: ``[..., n_blocks · b]``.
-        r: ``[n_blocks, b, b]`` blocks, or one ``[1, b, b]`` block shared across the width.
-    """
-
-    @staticmethod
-    def forward(ctx, x, r):
-        block = r.shape[-1]
-        n_blocks = x.shape[-1] // block
-        ctx.save_for_backward(x, r)
-        ctx.n_blocks = n_blocks
-        return _rotate(_cast(x, r.dtype), r, n_blocks, x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, r = ctx.saved_tensors
-        g = _cast(grad_out, r.dtype)
-        grad_x = grad_r = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _rotate(g, r.transpose(-1, -2), ctx.n_blocks, x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_r = rotation_grad(_cast(x, r.dtype), g, r, ctx.n_blocks)
-        return grad_x, grad_r
-
-
 def rotate_by(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """``x R`` block-wise with precomputed blocks (gradients reach ``x`` and ``r``).
+    """``x R`` block-wise with precomputed blocks, in ``x``'s dtype, computed in ``r``'s (gradients reach both).
+
+    Plain ops under autograd, not a ``Function``: one ``bmm`` and a layout copy forward, two ``bmm`` and a copy
+    backward, all with C++ backward nodes. A hand-written ``Function`` made one call fewer each way but ran its
+    forward and backward in Python: on the overhead benchmark (8 layers, width 64, eager) the layer took 573 µs with
+    it and 481 µs without (LoRA r16: 399).
 
     Args:
         x: ``[..., n_blocks · b]``.
@@ -142,4 +107,8 @@ def rotate_by(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     width = x.shape[-1]
     if r.dim() != 3 or width % block or rows not in (1, width // block):
         raise ValueError(f"rotation {tuple(r.shape)} does not tile input width {width}")
-    return RotateByFunction.apply(x, r)
+    xc = _cast(x, r.dtype)
+    if rows == 1:  # one block for the whole width: a single 2-D product
+        return _cast(torch.mm(xc.reshape(-1, block), r[0]).reshape(x.shape), x.dtype)
+    xb = xc.reshape(-1, rows, block).transpose(0, 1)  # [n, tokens, b]
+    return _cast(torch.bmm(xb, r).transpose(0, 1).reshape(x.shape), x.dtype)
