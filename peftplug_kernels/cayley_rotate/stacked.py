@@ -24,7 +24,16 @@ from __future__ import annotations
 
 import torch
 
-from .function import _cast, _rotation, _series_grad, skew_gather, skew_sign, triangle_positions
+from .function import (
+    _cast,
+    _rotate,
+    _rotation,
+    _series_grad,
+    rotation_grad,
+    skew_gather,
+    skew_sign,
+    triangle_positions,
+)
 
 
 class StackedRotationFunction(torch.autograd.Function):
@@ -88,13 +97,45 @@ def stacked_rotations(
     return r.split([t.shape[0] for t in q_vecs]) if len(q_vecs) > 1 else (r,)
 
 
+class RotateByFunction(torch.autograd.Function):
+    """``RotateByFunction.apply(x, r)`` -> ``x R`` block-wise, in ``x``'s dtype, computed in ``r``'s.
+
+    For an ``x`` of another dtype than the blocks (bf16 activations, fp32 blocks): it saves ``x`` in its own dtype
+    and casts again in the backward, where plain autograd would keep the fp32 copy alive until the backward (twice
+    a bf16 activation, for every adapted layer). One call forward, two backward (``g Rᵀ`` and ``xᵀ g``).
+
+    Args (of ``apply``):
+        x: ``[..., n_blocks · b]``.
+        r: ``[n_blocks, b, b]`` blocks, or one ``[1, b, b]`` block shared across the width.
+    """
+
+    @staticmethod
+    def forward(ctx, x, r):
+        n_blocks = x.shape[-1] // r.shape[-1]
+        ctx.save_for_backward(x, r)
+        ctx.n_blocks = n_blocks
+        return _rotate(_cast(x, r.dtype), r, n_blocks, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, r = ctx.saved_tensors
+        g = _cast(grad_out, r.dtype)
+        grad_x = grad_r = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _rotate(g, r.transpose(-1, -2), ctx.n_blocks, x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_r = rotation_grad(_cast(x, r.dtype), g, r, ctx.n_blocks)
+        return grad_x, grad_r
+
+
 def rotate_by(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """``x R`` block-wise with precomputed blocks, in ``x``'s dtype, computed in ``r``'s (gradients reach both).
 
-    Plain ops under autograd, not a ``Function``: one ``bmm`` and a layout copy forward, two ``bmm`` and a copy
-    backward, all with C++ backward nodes. A hand-written ``Function`` made one call fewer each way but ran its
-    forward and backward in Python: on the overhead benchmark (8 layers, width 64, eager) the layer took 573 µs with
-    it and 481 µs without (LoRA r16: 399).
+    With ``x`` in the blocks' dtype, plain ops under autograd: one ``bmm`` and a layout copy forward, two ``bmm`` and
+    a copy backward, all with C++ backward nodes. The hand-written :class:`RotateByFunction` makes one call fewer
+    each way but runs its forward and backward in Python: on the overhead benchmark (8 layers, width 64, eager, fp32)
+    a layer took 573 µs with it and 481 µs without (LoRA r16: 399). With ``x`` in another dtype the Function runs, for
+    the memory it saves (see there).
 
     Args:
         x: ``[..., n_blocks · b]``.
@@ -107,8 +148,8 @@ def rotate_by(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     width = x.shape[-1]
     if r.dim() != 3 or width % block or rows not in (1, width // block):
         raise ValueError(f"rotation {tuple(r.shape)} does not tile input width {width}")
-    xc = _cast(x, r.dtype)
+    if x.dtype != r.dtype:
+        return RotateByFunction.apply(x, r)
     if rows == 1:  # one block for the whole width: a single 2-D product
-        return _cast(torch.mm(xc.reshape(-1, block), r[0]).reshape(x.shape), x.dtype)
-    xb = xc.reshape(-1, rows, block).transpose(0, 1)  # [n, tokens, b]
-    return _cast(torch.bmm(xb, r).transpose(0, 1).reshape(x.shape), x.dtype)
+        return torch.mm(x.reshape(-1, block), r[0]).reshape(x.shape)
+    return torch.bmm(x.reshape(-1, rows, block).transpose(0, 1), r).transpose(0, 1).reshape(x.shape)

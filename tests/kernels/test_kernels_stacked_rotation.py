@@ -87,3 +87,22 @@ def test_rotate_by_gradcheck_shared_block():
 def test_rotate_by_rejects_blocks_that_do_not_tile_the_width():
     with pytest.raises(ValueError, match="does not tile input width 10"):
         rotate_by(torch.randn(2, 10), torch.eye(4).expand(2, 4, 4))
+
+
+def test_half_precision_input_is_saved_in_its_own_dtype():
+    # bf16 activations with fp32 blocks: what autograd keeps for the backward is x itself, not an fp32 copy (twice
+    # the bytes, for every adapted layer); the gradients are those of the fp32 computation, rounded once.
+    x = torch.randn(6, 3 * B).to(torch.bfloat16).requires_grad_()
+    r = stacked_rotations(_layers(5, dtype=torch.float32)[0][:1], B, 5)[0].detach().requires_grad_()  # 3 blocks
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = rotate_by(x, r)
+    assert y.dtype == torch.bfloat16
+    assert not any(t.dtype == torch.float32 and t.numel() == x.numel() for t in saved)  # in any layout
+    grad = torch.randn_like(y)
+    gx, gr = torch.autograd.grad(y, (x, r), grad)
+    x32 = x.detach().float().requires_grad_()
+    r32 = r.detach().requires_grad_()
+    want_gx, want_gr = torch.autograd.grad(rotate_by(x32, r32), (x32, r32), grad.float())
+    torch.testing.assert_close(gx.float(), want_gx, rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(gr, want_gr, rtol=1e-5, atol=1e-6)
