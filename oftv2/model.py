@@ -112,6 +112,19 @@ class OFTv2Model(BaseTuner):
         super().delete_adapter(adapter_name)
         self._sync_stacking()
 
+    def _unload_and_optionally_merge(self, *args, **kwargs):
+        """PEFT's unload (``merge_and_unload`` / ``unload``), after removing the stacked-rotation hooks: the model
+        handed back holds no OFTv2 layer for them to serve.
+
+        Args:
+            *args: Passed to ``BaseTuner._unload_and_optionally_merge``.
+            **kwargs: Passed to ``BaseTuner._unload_and_optionally_merge``.
+        """
+        current = self.__dict__.pop("_oftv2_stacking", None)
+        if current is not None:
+            current.remove()
+        return super()._unload_and_optionally_merge(*args, **kwargs)
+
     def _sync_stacking(self) -> None:
         """(Re)installs ``oftv2.stack_rotations`` on the wrapped model when any adapter's config sets
         ``stack_rotations`` (over the layers that exist now), and removes it when none does."""

@@ -220,3 +220,17 @@ def test_fsdp2_sharded_adapters_keep_their_per_layer_path(tmp_path, tiny_model, 
         assert all(p.grad is not None for n, p in model.named_parameters() if "oftv2_Q" in n)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_unloading_removes_the_hooks(tiny_model, tokens, merge):
+    config = oftv2.OFTv2Config(block_size=8, target_modules=["q_proj"], stack_rotations=True)
+    model = peft.get_peft_model(tiny_model("llama", num_hidden_layers=2), config)
+    randomize_q(model, std=0.05)
+    with torch.no_grad():
+        adapted = model(tokens).logits
+        plain = model.merge_and_unload() if merge else model.unload()
+        assert not plain._forward_pre_hooks and not plain._forward_hooks
+        out = plain(tokens).logits
+    if merge:
+        torch.testing.assert_close(out, adapted, rtol=1e-4, atol=1e-4)
