@@ -15,19 +15,21 @@ B = 4
 LAYERS = (3, 0, 2)
 
 
-def _layers(seed: int, dtype=torch.float64):
+def _layers(seed: int, dtype=torch.float64, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     qs, xs = [], []
     for n in LAYERS:
         rows = 1 if n == 0 else n
-        qs.append((0.3 / B**0.5 * torch.randn(rows, triangle_size(B), generator=gen, dtype=dtype)).requires_grad_())
-        xs.append(torch.randn(2, 5, (n or 3) * B, generator=gen, dtype=dtype).requires_grad_())
+        q = 0.3 / B**0.5 * torch.randn(rows, triangle_size(B), generator=gen, dtype=dtype)
+        qs.append(q.to(device).requires_grad_())
+        xs.append(torch.randn(2, 5, (n or 3) * B, generator=gen, dtype=dtype).to(device).requires_grad_())
     return qs, xs
 
 
 @pytest.mark.parametrize("terms", [2, 3, 4, 5])
-def test_matches_per_layer_reference_fp64(terms):
-    qs, xs = _layers(terms)
+def test_matches_per_layer_reference_fp64(device, terms):
+    # `device`: CPU here, CUDA in the GPU run (PEFTPLUG_KERNELS_ON_GPU=1), before its step benchmark times this path.
+    qs, xs = _layers(terms, device=device)
     outs = [rotate_by(x, r) for x, r in zip(xs, stacked_rotations(qs, B, terms))]
     want = [reference.cayley_rotate(x, q, B, terms=terms) for x, q in zip(xs, qs)]
     for got, expected in zip(outs, want):
@@ -89,11 +91,12 @@ def test_rotate_by_rejects_blocks_that_do_not_tile_the_width():
         rotate_by(torch.randn(2, 10), torch.eye(4).expand(2, 4, 4))
 
 
-def test_half_precision_input_is_saved_in_its_own_dtype():
+def test_half_precision_input_is_saved_in_its_own_dtype(device):
     # bf16 activations with fp32 blocks: what autograd keeps for the backward is x itself, not an fp32 copy (twice
     # the bytes, for every adapted layer); the gradients are those of the fp32 computation, rounded once.
-    x = torch.randn(6, 3 * B).to(torch.bfloat16).requires_grad_()
-    r = stacked_rotations(_layers(5, dtype=torch.float32)[0][:1], B, 5)[0].detach().requires_grad_()  # 3 blocks
+    x = torch.randn(6, 3 * B).to(device, torch.bfloat16).requires_grad_()
+    layers = _layers(5, dtype=torch.float32, device=device)[0][:1]
+    r = stacked_rotations(layers, B, 5)[0].detach().requires_grad_()  # 3 blocks
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = rotate_by(x, r)
