@@ -11,7 +11,8 @@ forward, once per model forward and group::
     cat of the triangles, skew gather and sign, 3 baddbmm (m = 4)     6 calls, for all layers of the group
     split into per-layer views                                       no call
 
-per layer: ``x R`` and a layout copy forward, ``g Rᵀ``, ``xᵀ g`` and a copy backward (:func:`rotate_by`);
+per layer: ``x R`` and a layout copy forward, ``g Rᵀ``, ``xᵀ g`` and a copy backward (:func:`rotate_by`; for
+half-precision ``x`` one call forward and two backward, in a Function that keeps ``x`` in its own dtype);
 
 backward, once per group: autograd joins the layers' ``dL/dR`` (one cat, from ``split``'s backward), then the
 series gradient and the triangle projection (6 calls) and the split of the triangles' gradients (views).
