@@ -87,22 +87,25 @@ class Row:
 
 
 #: Every row, in the order they run: what issue 40's targets need first — the cheap eager rows (OFTv2 vs LoRA and
-#: QOFT vs QLoRA at 1.1B: step and memory; OFTv2 on the torch path, for the dispatch table), then compiled OFTv2 (a compile of a minute or more) — then the 7B-class
-#: widths; last the rows our code does not change (compiled LoRA, 83.2 ms on the last run, the targets' fallback;
-#: PEFT's OFT), which go first when time runs short.
+#: QOFT vs QLoRA at 1.1B: step and memory; OFTv2 on the torch path, for the dispatch table), then compiled OFTv2 (a
+#: compile of a minute or more), then stacked rotations on bf16 (whether ``stack_rotations`` pays) — then the
+#: 7B-class widths and stacked rotations on NF4; last the rows our code does not change (compiled LoRA, 83.2 ms on the
+#: last run, the targets' fallback; PEFT's OFT) and compiled stacked rotations, which go first when time runs short.
 PLAN = (
     Row("1.1B", "bf16", "LoRA r16", "eager"), Row("1.1B", "bf16", "OFTv2 b32", "eager"),
     Row("1.1B", "nf4", "LoRA r16", "eager"), Row("1.1B", "nf4", "OFTv2 b32", "eager"),
     Row("1.1B", "bf16", TORCH_PATH, "eager"),
-    Row("1.1B", "bf16", STACKED, "eager"), Row("1.1B", "nf4", STACKED, "eager"),
     Row("1.1B", "bf16", "OFTv2 b32", "compiled"),
+    Row("1.1B", "bf16", STACKED, "eager"),
     Row("7B-class widths", "bf16", "LoRA r16", "eager"), Row("7B-class widths", "bf16", "OFTv2 b32", "eager"),
     Row("7B-class widths", "nf4", "LoRA r16", "eager"), Row("7B-class widths", "nf4", "OFTv2 b32", "eager"),
+    Row("1.1B", "nf4", STACKED, "eager"),
     Row("1.1B", "bf16", "LoRA r16", "compiled"),
     Row("1.1B", "bf16", "PEFT OFT b32", "eager"), Row("1.1B", "nf4", "PEFT OFT b32", "eager"),
     Row("7B-class widths", "bf16", "PEFT OFT b32", "eager"), Row("7B-class widths", "nf4", "PEFT OFT b32", "eager"),
     Row("1.1B", "bf16", STACKED, "compiled"),
 )
+
 #: Seconds a row is expected to take before one like it has run (a 1.1B compile took 37–86 s on the H200).
 FIRST_GUESS_S = {"eager": 20.0, "compiled": 110.0}
 
