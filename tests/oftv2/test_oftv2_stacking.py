@@ -86,7 +86,9 @@ def test_several_active_adapters_compose_in_order(tiny_model, tokens, calls):
     oftv2.stack_rotations(stacked)
     with torch.no_grad():
         torch.testing.assert_close(stacked(tokens).logits, plain(tokens).logits, rtol=1e-5, atol=1e-6)
-    assert calls["stacked"] == 3  # blocks of 8 (both adapters on q_proj, the first on down_proj), 16 and 32
+    # Three groups: blocks of 8 (the first adapter, both layers), 16 (the second on q_proj), 32 (the second on
+    # down_proj).
+    assert calls["stacked"] == 3
 
 
 def test_linear_conv_embedding_and_ineligible_forms(calls):
@@ -99,8 +101,10 @@ def test_linear_conv_embedding_and_ineligible_forms(calls):
         randomize_q(plain, std=0.05)
         stacked = copy.deepcopy(plain)
         oftv2.stack_rotations(stacked)
+        before = calls["stacked"]
         for model in (plain, stacked):
             model(ids).square().mean().backward()
+        assert calls["stacked"] == before + 1  # one group (block 4) for the stacked model's forward
         for (name, p), q in zip(plain.named_parameters(), stacked.parameters()):
             if p.requires_grad:
                 torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
