@@ -238,3 +238,12 @@ def test_unloading_removes_the_hooks(tiny_model, tokens, merge):
         out = plain(tokens).logits
     if merge:
         torch.testing.assert_close(out, adapted, rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_model_equals_per_layer(tiny_model, tokens):
+    # bf16 activations, fp32 blocks (the triangles are cast up): both paths rotate in fp32 and round once.
+    config = oftv2.OFTv2Config(block_size=8, target_modules="all-linear")
+    plain, stacked, _ = _llama_pair(tiny_model, config)
+    plain.to(torch.bfloat16)
+    stacked.to(torch.bfloat16)
+    _assert_same_step(plain, stacked, tokens)
