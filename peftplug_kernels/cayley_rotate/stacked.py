@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from .function import (
+    MAX_TERMS,
     _cast,
     _rotate,
     _rotation,
@@ -33,6 +34,7 @@ from .function import (
     rotation_grad,
     skew_gather,
     skew_sign,
+    supports,
     triangle_positions,
 )
 
@@ -93,7 +95,22 @@ def stacked_rotations(
 
     Returns:
         ``R_i`` as ``[n_i, b, b]`` views of one tensor, in the order of ``q_vecs``.
+
+    Raises:
+        ValueError: For no triangles, triangles of another width than ``b(b-1)/2`` or of mixed dtypes or devices,
+            ``terms`` outside 2 to ``function.MAX_TERMS``, or a mask that does not cover the blocks.
     """
+    if not supports("cayley_neumann", terms):
+        raise ValueError(f"terms must be in [2, {MAX_TERMS}], got {terms}")
+    width = block_size * (block_size - 1) // 2
+    if not q_vecs or any(t.dim() != 2 or t.shape[1] != width for t in q_vecs):
+        shapes = [tuple(t.shape) for t in q_vecs]
+        raise ValueError(f"q_vecs must be [n_i, {width}] triangles for block_size {block_size}, got {shapes}")
+    if len({(t.dtype, t.device) for t in q_vecs}) > 1:
+        raise ValueError("q_vecs must share one dtype and device (group them by both)")
+    rows = sum(t.shape[0] for t in q_vecs)
+    if keep is not None and tuple(keep.shape) != (rows, 1, 1):
+        raise ValueError(f"keep must be [{rows}, 1, 1] (one 0/1 per block), got {tuple(keep.shape)}")
     r = StackedRotationFunction.apply(block_size, terms, *q_vecs, keep)
     return r.split([t.shape[0] for t in q_vecs]) if len(q_vecs) > 1 else (r,)
 

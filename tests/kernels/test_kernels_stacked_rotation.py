@@ -109,3 +109,15 @@ def test_half_precision_input_is_saved_in_its_own_dtype(device):
     want_gx, want_gr = torch.autograd.grad(rotate_by(x32, r32), (x32, r32), grad.float())
     torch.testing.assert_close(gx.float(), want_gx, rtol=2**-8, atol=1e-6)
     torch.testing.assert_close(gr, want_gr, rtol=1e-5, atol=1e-6)
+
+
+def test_stacked_rotations_refuse_bad_input():
+    qs, _ = _layers(0)
+    with pytest.raises(ValueError, match=r"terms must be in \[2, 5\], got 6"):
+        stacked_rotations(qs, B, 6)
+    with pytest.raises(ValueError, match=r"q_vecs must be \[n_i, 10\] triangles for block_size 5, got \[\(3, 6\)"):
+        stacked_rotations(qs, 5, 5)
+    with pytest.raises(ValueError, match="one dtype and device"):
+        stacked_rotations([qs[0], qs[1].float()], B, 5)
+    with pytest.raises(ValueError, match=r"keep must be \[6, 1, 1\]"):
+        stacked_rotations(qs, B, 5, keep=torch.ones(3, 1, 1, dtype=torch.float64))
