@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from peftplug_kernels.cayley_rotate.function import supports
-from peftplug_kernels.cayley_rotate.stacked import stacked_rotations
+from peftplug_kernels.cayley_rotate.stacked import compute_dtype, stacked_rotations
 
 from .conv import Conv2d
 from .layer import STACKED_ATTR, OFTv2Layer
@@ -56,7 +56,8 @@ def _joined_keep(members: list) -> torch.Tensor | None:
     """
     if all(keep is None for *_, keep in members):
         return None
-    return torch.cat([torch.ones(q.shape[0], 1, 1, dtype=q.dtype, device=q.device) if keep is None else keep
+    dtype = compute_dtype(members[0][2].dtype)
+    return torch.cat([torch.ones(q.shape[0], 1, 1, dtype=dtype, device=q.device) if keep is None else keep
                       for _, _, q, keep in members])
 
 
@@ -106,8 +107,10 @@ class StackedRotations:
             for name in layer.active_adapters:
                 if name not in layer.oftv2_Q or not eligible(layer, name):
                     continue
-                q_vec = layer._series_input(name)
-                keep = layer._block_keep(name, q_vec.dtype, q_vec.device) if layer.training else None
+                # In the parameters' dtype: the batch casts half-precision triangles to fp32 once, after joining.
+                q_vec = layer.effective_q(name)
+                keep = (layer._block_keep(name, compute_dtype(q_vec.dtype), q_vec.device) if layer.training
+                        else None)
                 key = (layer.oftv2_block_size[name], layer.oftv2_settings[name].terms, q_vec.dtype, q_vec.device)
                 groups.setdefault(key, []).append((layer, name, q_vec, keep))
         for (block, terms, _, _), members in groups.items():

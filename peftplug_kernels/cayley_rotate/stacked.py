@@ -39,6 +39,15 @@ from .function import (
 )
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the series runs in for triangles of ``dtype``: fp32 for fp16/bf16, else ``dtype`` itself.
+
+    Args:
+        dtype: The triangles' dtype.
+    """
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 class StackedRotationFunction(torch.autograd.Function):
     """``StackedRotationFunction.apply(block_size, terms, *q_vecs, keep)`` -> the rotation blocks of every layer.
 
@@ -46,9 +55,10 @@ class StackedRotationFunction(torch.autograd.Function):
         block_size: b, the same for every layer.
         terms: Taylor series length, 2 to ``function.MAX_TERMS``, the same for every layer.
         *q_vecs: Each layer's ``[n_i, b(b-1)/2]`` triangles (``n_i = 1`` for a block shared across a width; not with
-            ``keep``), all of one floating dtype and device: the series runs in it.
+            ``keep``), all of one floating dtype and device. The series runs in :func:`compute_dtype` of it (fp32 for
+            half-precision triangles, as the per-layer path computes).
         keep: Last: ``None``, or a ``[Σ n_i, 1, 1]`` 0/1 block-dropout mask over the concatenated blocks (0 means
-            ``R = I``). (After the triangles: dynamo, tracing this Function without grad, mis-binds a ``None`` placed
+            ``R = I``), in the compute dtype. (After the triangles: dynamo, tracing this Function without grad, mis-binds a ``None`` placed
             before the variable arguments.)
 
     Returns:
@@ -59,14 +69,15 @@ class StackedRotationFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, block_size, terms, *tensors):
         *q_vecs, keep = tensors
-        device, dtype = q_vecs[0].device, q_vecs[0].dtype
-        q_all = torch.cat(q_vecs) if len(q_vecs) > 1 else q_vecs[0]
+        device, dtype = q_vecs[0].device, compute_dtype(q_vecs[0].dtype)
+        # Joined first, then cast once: half-precision triangles cost one cast for all layers, not one each.
+        q_all = _cast(torch.cat(q_vecs) if len(q_vecs) > 1 else q_vecs[0], dtype)
         q = torch.index_select(q_all, 1, skew_gather(block_size, device))
         q = (q * skew_sign(block_size, device, dtype)).view(-1, block_size, block_size)
         r, saved = _rotation(q, terms - 1, keep)
         ctx.save_for_backward(q, keep, *saved)
         ctx.rows = [t.shape[0] for t in q_vecs]
-        ctx.block_size, ctx.powers = block_size, terms - 1
+        ctx.block_size, ctx.powers, ctx.q_dtype = block_size, terms - 1, q_vecs[0].dtype
         return r
 
     @staticmethod
@@ -78,6 +89,7 @@ class StackedRotationFunction(torch.autograd.Function):
         grad_q = _series_grad(grad_r, q, ctx.powers, saved, alpha=2.0)
         skew_grad = torch.sub(grad_q, grad_q.transpose(-1, -2)).view(q.shape[0], -1)
         grad_q_all = torch.index_select(skew_grad, 1, triangle_positions(ctx.block_size, q.device))
+        grad_q_all = _cast(grad_q_all, ctx.q_dtype)
         grads = grad_q_all.split(ctx.rows) if len(ctx.rows) > 1 else (grad_q_all,)
         return (None, None, *(g if need else None for g, need in zip(grads, ctx.needs_input_grad[2:])), None)
 
@@ -91,10 +103,11 @@ def stacked_rotations(
         q_vecs: Each layer's ``[n_i, b(b-1)/2]`` triangles (one dtype and device).
         block_size: b.
         terms: Taylor series length, 2 to ``function.MAX_TERMS``.
-        keep: ``None``, or a ``[Σ n_i, 1, 1]`` 0/1 block-dropout mask in the triangles' dtype.
+        keep: ``None``, or a ``[Σ n_i, 1, 1]`` 0/1 block-dropout mask in :func:`compute_dtype` of the triangles'.
 
     Returns:
-        ``R_i`` as ``[n_i, b, b]`` views of one tensor, in the order of ``q_vecs``.
+        ``R_i`` as ``[n_i, b, b]`` views of one tensor in :func:`compute_dtype` of the triangles', in the order of
+        ``q_vecs``.
 
     Raises:
         ValueError: For no triangles, triangles of another width than ``b(b-1)/2`` or of mixed dtypes or devices,

@@ -247,3 +247,11 @@ def test_bf16_model_equals_per_layer(tiny_model, tokens):
     plain.to(torch.bfloat16)
     stacked.to(torch.bfloat16)
     _assert_same_step(plain, stacked, tokens)
+
+
+def test_max_q_norm_bound_applies_in_the_batch(tiny_model, tokens, calls):
+    # The bound rescales each block's triangle before the series (here it binds: random blocks have norm ~0.4).
+    config = oftv2.OFTv2Config(block_size=8, target_modules=["q_proj", "o_proj"], max_q_norm=0.05)
+    plain, stacked, _ = _llama_pair(tiny_model, config)
+    _assert_same_step(plain, stacked, tokens)
+    assert calls["stacked"] == 1
