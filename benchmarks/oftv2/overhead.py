@@ -129,7 +129,7 @@ def fwd_bwd(model: nn.Module, x: torch.Tensor):
 
 
 def measure_width(width: int, layers: int, tokens: int, backend: str, rounds: int, steps: int, iters: int,
-                  warmup: int) -> dict:
+                  warmup: int, dtype: torch.dtype = torch.float32) -> dict:
     """Times and counts every method, eager and compiled, at one width.
 
     Args:
@@ -141,6 +141,7 @@ def measure_width(width: int, layers: int, tokens: int, backend: str, rounds: in
         steps: Timed samples per method and mode and round.
         iters: Forward + backward calls per timed sample.
         warmup: Untimed samples per method and mode before the first round.
+        dtype: The stack's dtype, weights, adapters and input alike (``--dtype``).
 
     Returns:
         ``{mode: {method: record}}``; a record holds ``samples_us`` (CPU µs per call of the whole stack), the
@@ -148,12 +149,12 @@ def measure_width(width: int, layers: int, tokens: int, backend: str, rounds: in
     """
     import torch._dynamo
 
-    x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
     out: dict = {mode: {} for mode in MODES}
     runs = {}
     torch._dynamo.reset()  # one width's models per dynamo cache: no method meets another's recompile limit
     for method in METHODS:
-        model = build(method, width, layers).train()
+        model = build(method, width, layers).to(dtype).train()
         runs[("eager", method)] = fwd_bwd(model, x)
         compiled = fwd_bwd(torch.compile(model, backend=backend), x)
         reset_dynamo_stats()
@@ -186,7 +187,7 @@ def _count_compiled(records: dict, width: int, layers: int, x: torch.Tensor, bac
     torch._dynamo.reset()  # the timed copies are done with; new code objects of the same model would hit their cache
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
         for method in METHODS:
-            run = fwd_bwd(torch.compile(build(method, width, layers).train(), backend=backend), x)
+            run = fwd_bwd(torch.compile(build(method, width, layers).to(x.dtype).train(), backend=backend), x)
             run()
             run()
             records[method]["ops"] = count_ops(run)
@@ -231,10 +232,10 @@ def run_layers(args) -> dict:
     for width in args.widths:
         print(f"width {width}: {len(METHODS)} methods x {len(MODES)} modes", flush=True)
         raw = measure_width(width, args.layers, args.tokens, args.backend, args.rounds, args.steps, args.iters,
-                            args.warmup)
+                            args.warmup, getattr(torch, args.dtype))
         widths[str(width)] = {"raw": raw, "summary": summarize(raw, args.layers)}
     settings = {k: getattr(args, k) for k in ("widths", "layers", "tokens", "backend", "rounds", "steps", "iters",
-                                              "warmup", "threads", "quick")}
+                                              "warmup", "threads", "quick", "dtype")}
     return {"label": args.label, "code": args.code or None, "settings": settings,
             "provenance": provenance(CODE), "widths": widths}
 
@@ -262,6 +263,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=40, help="forward + backward calls per timed sample")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the per-layer stack's dtype (bfloat16: what a GPU step runs, casts included)")
     parser.add_argument("--llm-batch", type=int, default=4)
     parser.add_argument("--llm-seq", type=int, default=64)
     parser.add_argument("--llm-rounds", type=int, default=4)
