@@ -26,6 +26,7 @@ from torch import nn
 
 from peftplug_kernels import dispatch_table, ops
 from peftplug_kernels.cayley_neumann.reference import triangle_size
+from peftplug_kernels.cayley_rotate.function import compute_dtype
 from peftplug_kernels.cayley_rotate.reference import drop_blocks
 from peftplug_kernels.cayley_rotate.stacked import rotate_by
 
@@ -291,7 +292,8 @@ class OFTv2Layer(BaseTunerLayer):
             adapter_name: Name of the adapter.
         """
         q_vec = self.effective_q(adapter_name)
-        return q_vec.float() if q_vec.dtype in (torch.float16, torch.bfloat16) else q_vec
+        dtype = compute_dtype(q_vec.dtype)
+        return q_vec if q_vec.dtype == dtype else q_vec.to(dtype)
 
     def _block_keep(self, adapter_name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """Block-dropout mask ``[n_blocks, 1, 1]`` (1 keeps a block, 0 replaces it by ``I``), or ``None`` when the

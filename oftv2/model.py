@@ -120,17 +120,19 @@ class OFTv2Model(BaseTuner):
             *args: Passed to ``BaseTuner._unload_and_optionally_merge``.
             **kwargs: Passed to ``BaseTuner._unload_and_optionally_merge``.
         """
+        self._remove_stacking()
+        return super()._unload_and_optionally_merge(*args, **kwargs)
+
+    def _remove_stacking(self) -> None:
+        """Removes the stacked-rotation hooks the config installed, if any."""
         current = self.__dict__.pop("_oftv2_stacking", None)
         if current is not None:
             current.remove()
-        return super()._unload_and_optionally_merge(*args, **kwargs)
 
     def _sync_stacking(self) -> None:
         """(Re)installs ``oftv2.stack_rotations`` on the wrapped model when any adapter's config sets
         ``stack_rotations`` (over the layers that exist now), and removes it when none does."""
-        current = self.__dict__.pop("_oftv2_stacking", None)
-        if current is not None:
-            current.remove()
+        self._remove_stacking()
         if any(getattr(config, "stack_rotations", False) for config in self.peft_config.values()):
             self.__dict__["_oftv2_stacking"] = stack_rotations(self.model)
 

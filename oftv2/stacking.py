@@ -24,8 +24,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from peftplug_kernels.cayley_rotate.function import supports
-from peftplug_kernels.cayley_rotate.stacked import compute_dtype, stacked_rotations
+from peftplug_kernels.cayley_rotate.function import compute_dtype, supports
+from peftplug_kernels.cayley_rotate.stacked import stacked_rotations
 
 from .conv import Conv2d
 from .layer import STACKED_ATTR, OFTv2Layer

@@ -151,6 +151,37 @@ def _build_skew_sign(block_size: int, device: torch.device, dtype: torch.dtype) 
     return sign
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the series runs in for triangles of ``dtype``: fp32 for fp16/bf16, else ``dtype`` itself.
+
+    Args:
+        dtype: The triangles' dtype.
+    """
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def skew_blocks(q_vec: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[n, b(b-1)/2]`` triangles -> ``[n, b, b]`` skew-symmetric blocks: one gather and one multiply.
+
+    Args:
+        q_vec: The triangles, in the dtype the series runs in.
+        block_size: b.
+    """
+    q = torch.index_select(q_vec, 1, skew_gather(block_size, q_vec.device))
+    return (q * skew_sign(block_size, q_vec.device, q_vec.dtype)).view(-1, block_size, block_size)
+
+
+def triangle_grad(grad_q: torch.Tensor, block_size: int) -> torch.Tensor:
+    """dL/dq of :func:`skew_blocks` from dL/dQ ``[n, b, b]``: at (i, j), dL/dQ[i, j] - dL/dQ[j, i].
+
+    Args:
+        grad_q: Gradient of the skew blocks.
+        block_size: b.
+    """
+    skew_grad = torch.sub(grad_q, grad_q.transpose(-1, -2)).view(grad_q.shape[0], -1)
+    return torch.index_select(skew_grad, 1, triangle_positions(block_size, grad_q.device))
+
+
 def _series(q: torch.Tensor, powers: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """``S = Q + … + Q^powers`` for ``[n, b, b]`` blocks and ``powers`` 1 to 3, and what :func:`_series_grad` needs
     (:func:`_rotation` builds ``powers = 4`` into ``R`` directly)."""
@@ -273,10 +304,7 @@ class CayleyRotateFunction(torch.autograd.Function):
         # (Chosen in Python: torch.promote_types is a dispatcher call, on every forward of every layer.)
         compute = torch.float64 if torch.float64 in (q_vec.dtype, x.dtype) else q_vec.dtype
         ctx.q_dtype = q_vec.dtype
-        device = q_vec.device
-        q_vec = _cast(q_vec, compute)
-        q = torch.index_select(q_vec, 1, skew_gather(block_size, device))
-        q = (q * skew_sign(block_size, device, compute)).view(-1, block_size, block_size)
+        q = skew_blocks(_cast(q_vec, compute), block_size)
         r, saved = _rotation(q, terms - 1, keep)
         out = _rotate(_cast(x, compute), r, n_blocks, x.dtype)
         ctx.save_for_backward(x, q, r, keep, *saved)
@@ -300,7 +328,5 @@ class CayleyRotateFunction(torch.autograd.Function):
                 if q.shape[0] == 1:  # a shared block dropped per position: its gradient sums over positions
                     grad_s = grad_s.sum(0, keepdim=True)
             grad_q = _series_grad(grad_s, q, ctx.powers, saved)
-            # dL/dq[t] at (i, j) = dL/dQ[i, j] - dL/dQ[j, i].
-            skew_grad = torch.sub(grad_q, grad_q.transpose(-1, -2)).view(q.shape[0], -1)
-            grad_q_vec = _cast(torch.index_select(skew_grad, 1, triangle_positions(block, q.device)), ctx.q_dtype)
+            grad_q_vec = _cast(triangle_grad(grad_q, block), ctx.q_dtype)
         return grad_x, grad_q_vec, None, None, None

@@ -25,27 +25,20 @@ from __future__ import annotations
 
 import torch
 
+from peftplug_kernels.cayley_neumann.reference import triangle_size
+
 from .function import (
     MAX_TERMS,
     _cast,
     _rotate,
     _rotation,
     _series_grad,
+    compute_dtype,
     rotation_grad,
-    skew_gather,
-    skew_sign,
+    skew_blocks,
     supports,
-    triangle_positions,
+    triangle_grad,
 )
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the series runs in for triangles of ``dtype``: fp32 for fp16/bf16, else ``dtype`` itself.
-
-    Args:
-        dtype: The triangles' dtype.
-    """
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 class StackedRotationFunction(torch.autograd.Function):
@@ -69,11 +62,9 @@ class StackedRotationFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, block_size, terms, *tensors):
         *q_vecs, keep = tensors
-        device, dtype = q_vecs[0].device, compute_dtype(q_vecs[0].dtype)
         # Joined first, then cast once: half-precision triangles cost one cast for all layers, not one each.
-        q_all = _cast(torch.cat(q_vecs) if len(q_vecs) > 1 else q_vecs[0], dtype)
-        q = torch.index_select(q_all, 1, skew_gather(block_size, device))
-        q = (q * skew_sign(block_size, device, dtype)).view(-1, block_size, block_size)
+        q_all = torch.cat(q_vecs) if len(q_vecs) > 1 else q_vecs[0]
+        q = skew_blocks(_cast(q_all, compute_dtype(q_all.dtype)), block_size)
         r, saved = _rotation(q, terms - 1, keep)
         ctx.save_for_backward(q, keep, *saved)
         ctx.rows = [t.shape[0] for t in q_vecs]
@@ -87,9 +78,7 @@ class StackedRotationFunction(torch.autograd.Function):
             grad_r = grad_r * keep
         # alpha=2: R = I + 2S.
         grad_q = _series_grad(grad_r, q, ctx.powers, saved, alpha=2.0)
-        skew_grad = torch.sub(grad_q, grad_q.transpose(-1, -2)).view(q.shape[0], -1)
-        grad_q_all = torch.index_select(skew_grad, 1, triangle_positions(ctx.block_size, q.device))
-        grad_q_all = _cast(grad_q_all, ctx.q_dtype)
+        grad_q_all = _cast(triangle_grad(grad_q, ctx.block_size), ctx.q_dtype)
         grads = grad_q_all.split(ctx.rows) if len(ctx.rows) > 1 else (grad_q_all,)
         return (None, None, *(g if need else None for g, need in zip(grads, ctx.needs_input_grad[2:])), None)
 
@@ -115,7 +104,7 @@ def stacked_rotations(
     """
     if not supports("cayley_neumann", terms):
         raise ValueError(f"terms must be in [2, {MAX_TERMS}], got {terms}")
-    width = block_size * (block_size - 1) // 2
+    width = triangle_size(block_size)
     if not q_vecs or any(t.dim() != 2 or t.shape[1] != width for t in q_vecs):
         shapes = [tuple(t.shape) for t in q_vecs]
         raise ValueError(f"q_vecs must be [n_i, {width}] triangles for block_size {block_size}, got {shapes}")
