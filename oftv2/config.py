@@ -55,8 +55,9 @@ class OFTv2Config(PeftConfig):
             crossover measured on CPU; see docs/oftv2.md).
         stack_rotations: Compute the rotation blocks of every adapted layer as one batch per model forward
             (``oftv2.stack_rotations``; a layer then only rotates its input: 2 kernel calls forward and 3
-            backward where it computed its own series and rotation in 6 and 8). Same results; off under gradient checkpointing and FSDP2
-            (see docs/oftv2.md). Model-wide: on when any loaded adapter's config sets it.
+            backward where it computed its own series and rotation in 6 and 8). Same results; off under
+            gradient checkpointing and FSDP2 (see docs/oftv2.md). Model-wide: on when any loaded adapter's
+            config sets it.
         target_modules: Module names (list: exact or suffix match; str: regex) or ``"all-linear"``.
         exclude_modules: Module names (same matching rules) never to adapt.
         layers_to_transform: Layer indices to adapt (int or list of non-negative ints).

@@ -6,7 +6,8 @@ from the converted GGUF), batch 4 × 64 random tokens, step = forward + backward
 (OFTv2, OFTv2 with its rotations stacked by ``oftv2.stack_rotations``, LoRA; each eager and compiled, the compiled
 module sharing its eager model's parameters) are timed interleaved round by round after their first steps (the
 compiled ones compile there; that time is recorded), one torch thread, medians of process CPU time: on shared
-cores only ratios measured this way mean anything (DESIGN.md §11). ``--quick`` runs the same code on a tiny random Llama.
+cores only ratios measured this way mean anything (DESIGN.md §11). ``--quick`` runs the same code on a tiny
+random Llama.
 """
 
 from __future__ import annotations

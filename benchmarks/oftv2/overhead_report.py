@@ -15,7 +15,6 @@ from benchmarks.common.provenance import provenance_line
 PAGE = DOCS / "oftv2_overhead.md"
 RESULTS = results_dir("oftv2") / "overhead"
 TITLE = "# OFTv2 framework overhead on CPU: per adapted layer, eager and compiled"
-ADAPTED = ("OFTv2 b32", "OFTv2 b32 stacked", "LoRA r16", "PEFT OFT b32")
 #: The OFTv2 rows read against LoRA r16 in the targets table, and what their keys end with.
 VARIANTS = {"OFTv2 b32": "", "OFTv2 b32 stacked": " (stacked rotations)"}
 #: Hand-written reading of the runs, beside the result files (Markdown, starting with its own heading).

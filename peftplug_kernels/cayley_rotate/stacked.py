@@ -51,8 +51,8 @@ class StackedRotationFunction(torch.autograd.Function):
             ``keep``), all of one floating dtype and device. The series runs in :func:`compute_dtype` of it (fp32 for
             half-precision triangles, as the per-layer path computes).
         keep: Last: ``None``, or a ``[Σ n_i, 1, 1]`` 0/1 block-dropout mask over the concatenated blocks (0 means
-            ``R = I``), in the compute dtype. (After the triangles: dynamo, tracing this Function without grad, mis-binds a ``None`` placed
-            before the variable arguments.)
+            ``R = I``), in the compute dtype. (After the triangles: dynamo, tracing this Function without
+            grad, mis-binds a ``None`` placed before the variable arguments.)
 
     Returns:
         One ``[Σ n_i, b, b]`` tensor: :func:`stacked_rotations` splits it per layer (under autograd, so that the
