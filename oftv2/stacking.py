@@ -95,6 +95,7 @@ class StackedRotations:
         return not any(_sharded(first.oftv2_Q[name]) for name in first.oftv2_Q)
 
     def _before(self, module: nn.Module, args) -> None:
+        # Also cleared here: under torch.compile a forward that raises skips the always-called forward hook.
         self._clear()
         if not self.active():
             return
