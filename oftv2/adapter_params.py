@@ -79,6 +79,17 @@ class AdapterParameterDict(nn.ModuleDict):
     def __getitem__(self, key: str) -> nn.Parameter:
         return self._modules[key].weight
 
+    def get(self, key: str, default: nn.Parameter | None = None) -> nn.Parameter | None:
+        """The parameter of adapter ``key``, or ``default`` when it has none (one lookup where ``in`` and indexing
+        make two: every forward of every layer asks).
+
+        Args:
+            key: Adapter name.
+            default: Returned for an adapter without a parameter here.
+        """
+        holder = self._modules.get(key)
+        return default if holder is None else holder.weight
+
     def __setitem__(self, key: str, value: torch.Tensor) -> None:
         old = self._modules.get(key)
         keep = None if old is None or isinstance(value, nn.Parameter) else old.weight.requires_grad

@@ -118,6 +118,23 @@ def rotate_weight(weight: torch.Tensor, rotation: torch.Tensor, impl: str = "aut
     return ops.block_rotate(weight, rotation.transpose(-1, -2), impl=impl)
 
 
+def series_input(q_param: torch.Tensor, max_q_norm: float | None) -> torch.Tensor:
+    """The triangles the series reads: bounded by ``max_q_norm`` (:func:`bound_q`), in fp32 at least.
+
+    Half-precision skew parameters (a bf16 model, or TRL casting a quantized model's adapter to bf16) give the series
+    and the rotation in fp32, as the fused kernel computes inside: powers of Q in bf16 lose ~2e-3 per entry, and an
+    fp32 rotation is exactly what the saved adapter computes once PEFT reloads it in fp32. Every consumer casts the
+    blocks to its own compute dtype.
+
+    Args:
+        q_param: An adapter's ``[n_blocks, b(b-1)/2]`` parameter.
+        max_q_norm: Its bound, or ``None``.
+    """
+    q_vec = bound_q(q_param, max_q_norm)
+    dtype = compute_dtype(q_vec.dtype)
+    return q_vec if q_vec.dtype == dtype else q_vec.to(dtype)
+
+
 def bound_q(q_vec: torch.Tensor, max_q_norm: float | None) -> torch.Tensor:
     """Rescales each block's triangle so that its skew matrix has Frobenius norm <= ``max_q_norm``.
 
@@ -258,11 +275,21 @@ class OFTv2Layer(BaseTunerLayer):
         Args:
             adapter_name: Name of the adapter.
         """
+        return self.plan_for(adapter_name, self.oftv2_Q[adapter_name])
+
+    def plan_for(self, adapter_name: str, q_param: torch.Tensor) -> KernelPlan:
+        """:meth:`kernel_plan` for a caller that holds the adapter's parameter already (the forward fetches it once:
+        each parameter lookup through ``nn.Module.__getattr__`` costs about as much as a view op on this path).
+
+        Args:
+            adapter_name: Name of the adapter.
+            q_param: Its parameter, ``oftv2_Q[adapter_name]``.
+        """
         plan = self._oftv2_kernels.get(adapter_name)
         if (
             plan is None
             or plan.settings is not self.oftv2_settings[adapter_name]
-            or plan.device != self.oftv2_Q[adapter_name].device
+            or plan.device != q_param.device
             or plan.table_generation != dispatch_table.generation()
         ):
             # Moved without _apply (e.g. accelerate hooks, load_state_dict(assign=True)), settings replaced, or
@@ -279,21 +306,6 @@ class OFTv2Layer(BaseTunerLayer):
             adapter_name: Name of the adapter.
         """
         return bound_q(self.oftv2_Q[adapter_name], self.oftv2_settings[adapter_name].max_q_norm)
-
-    def _series_input(self, adapter_name: str) -> torch.Tensor:
-        """The triangles the series reads: bounded by ``max_q_norm``, in fp32 at least.
-
-        Half-precision skew parameters (a bf16 model, or TRL casting a quantized model's adapter to bf16) give the
-        series and the rotation in fp32, as the fused kernel computes inside: powers of Q in bf16 lose ~2e-3 per
-        entry, and an fp32 rotation is exactly what the saved adapter computes once PEFT reloads it in fp32. Every
-        consumer casts the blocks to its own compute dtype.
-
-        Args:
-            adapter_name: Name of the adapter.
-        """
-        q_vec = self.effective_q(adapter_name)
-        dtype = compute_dtype(q_vec.dtype)
-        return q_vec if q_vec.dtype == dtype else q_vec.to(dtype)
 
     def _block_keep(self, adapter_name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """Block-dropout mask ``[n_blocks, 1, 1]`` (1 keeps a block, 0 replaces it by ``I``), or ``None`` when the
@@ -321,8 +333,9 @@ class OFTv2Layer(BaseTunerLayer):
         """
         settings = self.oftv2_settings[adapter_name]
         b = self.oftv2_block_size[adapter_name]
-        q_vec = self._series_input(adapter_name)
-        impl = self.kernel_plan(adapter_name).cayley
+        q_param = self.oftv2_Q[adapter_name]
+        q_vec = series_input(q_param, settings.max_q_norm)
+        impl = self.plan_for(adapter_name, q_param).cayley
         rotation = ops.cayley_neumann(q_vec, b, terms=settings.terms, form=settings.form, impl=impl)
         if apply_dropout:
             keep = self._block_keep(adapter_name, rotation.dtype, rotation.device)
@@ -343,16 +356,18 @@ class OFTv2Layer(BaseTunerLayer):
         # read first so that a compiled graph guards on it: dynamo does not guard module hooks, and a graph traced
         # before stack_rotations (or for another model) must not be reused once the hooks exist.
         stacked = self.__dict__.get(STACKED_ATTR) if self.oftv2_stacking else None
+        params = self.oftv2_Q
         for name in self.active_adapters:
-            if name not in self.oftv2_Q:
+            q_param = params.get(name)
+            if q_param is None:
                 continue
             rotation = stacked.get(name) if stacked else None
             if rotation is not None and (x.dtype != torch.float64 or rotation.dtype == torch.float64):
                 x = rotate_by(x, rotation)
                 continue
             settings = self.oftv2_settings[name]
-            plan = self.kernel_plan(name)
-            q_vec = self._series_input(name)
+            plan = self.plan_for(name, q_param)
+            q_vec = series_input(q_param, settings.max_q_norm)
             keep = self._block_keep(name, q_vec.dtype, q_vec.device) if self.training else None
             x = ops.cayley_rotate(
                 x, q_vec, self.oftv2_block_size[name], terms=settings.terms, form=settings.form, keep=keep,

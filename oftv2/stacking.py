@@ -28,15 +28,16 @@ from peftplug_kernels.cayley_rotate.function import compute_dtype, supports
 from peftplug_kernels.cayley_rotate.stacked import stacked_rotations
 
 from .conv import Conv2d
-from .layer import STACKED_ATTR, OFTv2Layer
+from .layer import STACKED_ATTR, OFTv2Layer, bound_q
 
 
-def eligible(layer: OFTv2Layer, adapter_name: str) -> bool:
+def eligible(layer: OFTv2Layer, adapter_name: str, q_param: torch.Tensor | None = None) -> bool:
     """Whether the stacked path computes this adapter's rotation (see the module docstring).
 
     Args:
         layer: An OFTv2 layer.
         adapter_name: One of its adapters.
+        q_param: Its parameter when the caller holds it already (saves a lookup per layer and forward).
     """
     settings = layer.oftv2_settings[adapter_name]
     if settings.impl == "triton" or not supports(settings.form, settings.terms):
@@ -45,7 +46,8 @@ def eligible(layer: OFTv2Layer, adapter_name: str) -> bool:
         return False
     if isinstance(layer, Conv2d) and settings.conv_evaluation != "input":
         return False  # "weight" (and "auto", per call) rotates the filter, not the input
-    return layer.kernel_plan(adapter_name).fused_max_tokens == 0
+    plan = layer.kernel_plan(adapter_name) if q_param is None else layer.plan_for(adapter_name, q_param)
+    return plan.fused_max_tokens == 0
 
 
 def _joined_keep(members: list) -> torch.Tensor | None:
@@ -105,14 +107,17 @@ class StackedRotations:
         for layer in self.layers:
             if layer.disable_adapters or layer.merged:
                 continue
+            params = layer.oftv2_Q
             for name in layer.active_adapters:
-                if name not in layer.oftv2_Q or not eligible(layer, name):
+                q_param = params.get(name)
+                if q_param is None or not eligible(layer, name, q_param):
                     continue
+                settings = layer.oftv2_settings[name]
                 # In the parameters' dtype: the batch casts half-precision triangles to fp32 once, after joining.
-                q_vec = layer.effective_q(name)
+                q_vec = bound_q(q_param, settings.max_q_norm)
                 keep = (layer._block_keep(name, compute_dtype(q_vec.dtype), q_vec.device) if layer.training
                         else None)
-                key = (layer.oftv2_block_size[name], layer.oftv2_settings[name].terms, q_vec.dtype, q_vec.device)
+                key = (layer.oftv2_block_size[name], settings.terms, q_vec.dtype, q_vec.device)
                 groups.setdefault(key, []).append((layer, name, q_vec, keep))
         for (block, terms, _, _), members in groups.items():
             q_vecs = [q for _, _, q, _ in members]

@@ -48,6 +48,25 @@ def test_gradcheck(terms):
     assert torch.autograd.gradcheck(lambda x_, q_: lean.CayleyRotateFunction.apply(x_, q_, 4, terms, None), (x, q))
 
 
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "offset"])
+def test_non_contiguous_input_and_gradient(device, layout):
+    # The Function takes block views of contiguous tensors by one as_strided (strides computed from the shape) and
+    # of others by reshape: a transposed or sliced input, a view at a storage offset, and a non-contiguous incoming
+    # gradient must all give the reference's values.
+    x, q = _inputs(3, 4, 3, tokens=(6,), seed=7, device=device)
+    base = x.detach()
+    x = {"transposed": base.t().contiguous().t(), "sliced": torch.stack([base, base], -1).flatten(-2)[:, ::2],
+         "offset": torch.cat([base, base])[6:]}[layout]
+    assert x.is_contiguous() == (layout == "offset") and (layout != "offset" or x.storage_offset() > 0)
+    x = x.requires_grad_(True)
+    y = lean.CayleyRotateFunction.apply(x, q, 4, 5, None)
+    expected = reference.cayley_rotate(x, q, 4, terms=5)
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+    grad = torch.randn(12, 6, dtype=y.dtype, device=device).t()  # non-contiguous
+    for got, want, name in zip(_grads(y, (x, q), grad), _grads(expected, (x, q), grad), ("dx", "dq")):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def test_dropped_block_is_the_identity():
     x, q = _inputs(3, 4, 3)
     keep = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64).view(-1, 1, 1)
@@ -106,7 +125,7 @@ class _CountOps(TorchDispatchMode):
     """Counts ATen ops that compute (views and allocations left out): the kernel calls a GPU would launch."""
 
     VIEWS = frozenset({"view", "_unsafe_view", "reshape", "expand", "transpose", "t", "permute", "unsqueeze", "squeeze",
-             "slice", "select", "alias", "detach", "as_strided", "empty", "_to_copy_noop"})
+             "slice", "select", "alias", "detach", "as_strided", "empty", "empty_like", "_to_copy_noop"})
 
     def __init__(self):
         super().__init__()
