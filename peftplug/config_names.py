@@ -145,7 +145,26 @@ def check_peft_spec(spec: Any, field: str = "model.peft") -> None:
         known = {getattr(k, "value", k): v for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
         if peft_type in known:
             keys = [k for k in spec if k not in ("peft_type", "peft_version", "auto_mapping")]
+            if spec.get("peft_version"):
+                # Written by PEFT (an adapter_config.json): a key only another PEFT release has is not a typo; it is
+                # dropped with a warning where the config is built (saved_config_extras), as PEFT's own loading does.
+                keys = [k for k in keys if k not in saved_config_extras(known[peft_type], spec)]
             check_init_args(known[peft_type], keys, field)
+
+
+def saved_config_extras(cls: type, spec: dict) -> list[str]:
+    """The keys of a PEFT-saved config dict (one with ``peft_version``) that the installed ``cls`` does not have:
+    settings of another PEFT release, which ``PeftConfig.from_pretrained`` drops with a warning. ``[]`` for a dict
+    without ``peft_version`` (written by hand: an unknown key there is a typo).
+
+    Args:
+        cls: The PEFT config class of the dict's ``peft_type``.
+        spec: The dict.
+    """
+    if not spec.get("peft_version"):
+        return []
+    accepted = set(accepted_names(cls)) | {"peft_type", "peft_version", "auto_mapping"}
+    return sorted(k for k in spec if k not in accepted)
 
 
 # Messages (as condensed by peftplug.cli.condense_argument_error) about a name that does not exist.
@@ -193,7 +212,7 @@ def suggest(message: str, keys: Iterable[str] = (), options: Iterable[str] = ())
 
 
 __all__ = ["accepted_names", "check_init_args", "check_peft_spec", "closest", "given_peft_class_path", "hint",
-           "import_class", "suggest"]
+           "import_class", "saved_config_extras", "suggest"]
 
 
 def given_peft_class_path(argv: Iterable[str]) -> str | None:

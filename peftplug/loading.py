@@ -29,6 +29,7 @@ import importlib
 import importlib.util
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -359,7 +360,8 @@ def build_peft_config(spec: Any, task: str):
 
     Args:
         spec: A ``PeftConfig``; a dict with ``peft_type`` (e.g. ``{"peft_type": "LORA", "r": 8}``, as saved in
-            ``adapter_config.json``); or a dict ``{"class_path": "oftv2.OFTv2Config", "init_args": {...}}``.
+            ``adapter_config.json``: with its ``peft_version``, settings the installed PEFT lacks are dropped with a
+            warning, as PEFT's loading drops them; without, they are refused as typos); or a dict ``{"class_path": "oftv2.OFTv2Config", "init_args": {...}}``.
         task: The task, used for ``task_type`` when the config does not set it.
 
     Raises:
@@ -368,7 +370,7 @@ def build_peft_config(spec: Any, task: str):
     from peft import PeftConfig
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
-    from peftplug.config_names import check_peft_spec
+    from peftplug.config_names import check_peft_spec, saved_config_extras
 
     check_peft_spec(spec)  # a misspelled class or key: one line with the closest valid name, not a TypeError
     if isinstance(spec, PeftConfig):
@@ -388,9 +390,20 @@ def build_peft_config(spec: Any, task: str):
         known = {getattr(k, "value", k): v for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
         if peft_type not in known:
             raise ConfigError(f"peft.peft_type {peft_type!r} is unknown; known types: {', '.join(sorted(known))}")
-        for key in ("peft_version", "auto_mapping"):
+        cls = known[peft_type]
+        extras = saved_config_extras(cls, spec)
+        if extras:
+            import peft
+
+            warnings.warn(
+                f"peft: {cls.__name__} of the installed PEFT {peft.__version__} has no {', '.join(map(repr, extras))}: "
+                f"ignored. This config was saved by PEFT {spec['peft_version']}; PEFT ignores these settings the same "
+                "way when it loads such an adapter. Install that PEFT version to use them.",
+                stacklevel=2,
+            )
+        for key in ("peft_version", "auto_mapping", *extras):
             kwargs.pop(key, None)
-        config = known[peft_type](**kwargs)
+        config = cls(**kwargs)
     else:
         raise ConfigError(
             "peft must be a PeftConfig, a dict with 'peft_type', or a dict with 'class_path' and 'init_args'; "
