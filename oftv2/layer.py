@@ -356,14 +356,14 @@ class OFTv2Layer(BaseTunerLayer):
         # read first so that a compiled graph guards on it: dynamo does not guard module hooks, and a graph traced
         # before stack_rotations (or for another model) must not be reused once the hooks exist.
         stacked = self.__dict__.get(STACKED_ATTR) if self.oftv2_stacking else None
-        params = self.oftv2_Q
         for name in self.active_adapters:
-            q_param = params.get(name)
-            if q_param is None:
-                continue
+            # (Stacked blocks exist only for adapters with a parameter here: no lookup on that path.)
             rotation = stacked.get(name) if stacked else None
             if rotation is not None and (x.dtype != torch.float64 or rotation.dtype == torch.float64):
                 x = rotate_by(x, rotation)
+                continue
+            q_param = self.oftv2_Q.get(name)
+            if q_param is None:
                 continue
             settings = self.oftv2_settings[name]
             plan = self.plan_for(name, q_param)
