@@ -64,3 +64,18 @@ def test_quick_run_writes_both_parts_and_the_report_rebuilds_the_page(tmp_path, 
     assert page.read_text() == text
     with pytest.raises(SystemExit, match="no result files"):
         overhead.main(["--report", "--out-dir", str(tmp_path / "none"), "--page", str(page)])
+
+
+def test_ab_worker_and_table():
+    from benchmarks.oftv2 import overhead_ab
+
+    # The worker (what each process of a tree runs), here in this process: every method adds a positive time.
+    added = overhead_ab.worker(width=32, layers=1, tokens=2, rounds=1, iters=1)
+    assert set(added) == set(overhead_ab.METHODS[1:]) and all(t > 0 for t in added.values()), added
+    runs = {"before": [{"LoRA r16": 10.0, "OFTv2 b32": 30.0}, {"LoRA r16": 20.0, "OFTv2 b32": 40.0}],
+            "after": [{"LoRA r16": 10.0, "OFTv2 b32": 15.0}, {"LoRA r16": 20.0, "OFTv2 b32": 30.0}]}
+    rows = overhead_ab.summarize(["before", "after"], runs)
+    # Median of the processes' added times; mean of their ratios to LoRA, min–max beside it.
+    assert "| `before` | OFTv2 b32 | 35 | 2.500 (2.000–3.000) |" in rows
+    assert "| `after` | OFTv2 b32 | 22 | 1.500 (1.500–1.500) |" in rows
+    assert not any("stacked" in row for row in rows)  # a method missing from a run is left out
