@@ -148,7 +148,8 @@ def check_peft_spec(spec: Any, field: str = "model.peft") -> None:
             if spec.get("peft_version"):
                 # Written by PEFT (an adapter_config.json): a key only another PEFT release has is not a typo; it is
                 # dropped with a warning where the config is built (saved_config_extras), as PEFT's own loading does.
-                keys = [k for k in keys if k not in saved_config_extras(known[peft_type], spec)]
+                extras = set(saved_config_extras(known[peft_type], spec))
+                keys = [k for k in keys if k not in extras]
             check_init_args(known[peft_type], keys, field)
 
 

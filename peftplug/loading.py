@@ -361,7 +361,8 @@ def build_peft_config(spec: Any, task: str):
     Args:
         spec: A ``PeftConfig``; a dict with ``peft_type`` (e.g. ``{"peft_type": "LORA", "r": 8}``, as saved in
             ``adapter_config.json``: with its ``peft_version``, settings the installed PEFT lacks are dropped with a
-            warning, as PEFT's loading drops them; without, they are refused as typos); or a dict ``{"class_path": "oftv2.OFTv2Config", "init_args": {...}}``.
+            warning, as PEFT's loading drops them; without, they are refused as typos); or a dict
+            ``{"class_path": "oftv2.OFTv2Config", "init_args": {...}}``.
         task: The task, used for ``task_type`` when the config does not set it.
 
     Raises:
