@@ -70,7 +70,7 @@ def test_ab_worker_and_table():
     from benchmarks.oftv2 import overhead_ab
 
     # The worker (what each process of a tree runs), here in this process: every method adds a positive time.
-    added = overhead_ab.worker(width=32, layers=1, tokens=2, rounds=1, iters=1)
+    added = overhead_ab.worker(width=32, layers=1, tokens=2, rounds=3, iters=3)
     assert set(added) == set(overhead_ab.METHODS[1:]) and all(t > 0 for t in added.values()), added
     runs = {"before": [{"LoRA r16": 10.0, "OFTv2 b32": 30.0}, {"LoRA r16": 20.0, "OFTv2 b32": 40.0}],
             "after": [{"LoRA r16": 10.0, "OFTv2 b32": 15.0}, {"LoRA r16": 20.0, "OFTv2 b32": 30.0}]}
