@@ -7,6 +7,7 @@ import platform
 import resource
 import subprocess
 import time
+from pathlib import Path
 
 from benchmarks.common.paths import REPO
 
@@ -15,18 +16,19 @@ from benchmarks.common.paths import REPO
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
-def git_commit(paths: tuple[str, ...] = ("benchmarks", "peftplug")) -> str:
+def git_commit(paths: tuple[str, ...] = ("benchmarks", "peftplug"), root: Path = REPO) -> str:
     """``HEAD``'s short hash, with ``+dirty`` when ``paths`` have uncommitted changes (results excluded).
 
     Args:
         paths: The code a run depends on. Committed results (``benchmarks/*/results``) never count: runs in flight
             write them, and would otherwise mark each other dirty.
+        root: The checkout (default: this one; another for an A/B of two trees).
     """
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=False).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--", *paths,
-                                ":(exclude,glob)benchmarks/**/results/**"], cwd=REPO, capture_output=True,
+                                ":(exclude,glob)benchmarks/**/results/**"], cwd=root, capture_output=True,
                                text=True, check=False).stdout.strip()
     except OSError:
         return "unknown"

@@ -12,9 +12,9 @@ Run (``B`` is usually this checkout, ``A`` a ``git worktree add /tmp/a <commit>`
 
     python -m benchmarks.oftv2.overhead_ab --trees /tmp/a . --labels before after --name lookups
 
-It prints a table and writes ``benchmarks/oftv2/results/overhead/ab_<name>.json``. A tree must hold
-``benchmarks/oftv2/overhead.py`` with ``build`` and ``fwd_bwd`` (every commit since the study began); methods its
-``build`` does not know are left out of its runs.
+It prints a table and writes ``benchmarks/oftv2/results/overhead/ab_<name>.json``. A tree must hold the study's
+``overhead.build`` / ``fwd_bwd``, ``overhead_ops.cpu_seconds`` and ``benchmarks.common.timing.interleaved`` (as every
+commit since the lean run does); methods its ``build`` does not know are left out of its runs.
 """
 
 from __future__ import annotations
@@ -46,7 +46,10 @@ def worker(width: int, layers: int, tokens: int, rounds: int, iters: int) -> dic
     """
     import torch
 
-    from benchmarks.oftv2.overhead import build, fwd_bwd  # this tree's
+    # This tree's study code: what is timed is its build, through its own clocks.
+    from benchmarks.common.timing import interleaved
+    from benchmarks.oftv2.overhead import build, fwd_bwd
+    from benchmarks.oftv2.overhead_ops import cpu_seconds
 
     torch.set_num_threads(1)
     x = torch.randn(tokens, width, requires_grad=True)
@@ -56,27 +59,9 @@ def worker(width: int, layers: int, tokens: int, rounds: int, iters: int) -> dic
             runs[method] = fwd_bwd(build(method, width, layers), x)
         except ValueError:  # a method this tree's build does not know
             continue
-    for run in runs.values():
-        for _ in range(max(iters // 2, 1)):
-            run()
-    samples: dict[str, list[float]] = {m: [] for m in runs}
-    for _ in range(rounds):
-        for method, run in runs.items():
-            start = time.process_time()
-            for _ in range(iters):
-                run()
-            samples[method].append((time.process_time() - start) / iters)
+    samples = interleaved(list(runs), lambda m: cpu_seconds(runs[m], iters) / iters, rounds, 1, warmup=1)
     medians = {m: statistics.median(v) for m, v in samples.items()}
     return {m: (medians[m] - medians["base"]) / layers * 1e6 for m in runs if m != "base"}
-
-
-def _tree_commit(tree: Path) -> str:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True,
-                          check=False).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "oftv2", "peftplug_kernels", "peftplug",
-                            "benchmarks/oftv2/overhead.py"], cwd=tree, capture_output=True, text=True,
-                           check=False).stdout.strip()
-    return (head or "unknown") + ("+dirty" if dirty else "")
 
 
 def run_tree(tree: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -145,7 +130,8 @@ def main(argv=None) -> int:
         print(json.dumps(worker(args.width, args.layers, args.tokens, args.rounds, args.iters)))
         return 0
     from benchmarks.common.pages import write_json
-    from benchmarks.common.provenance import cpu_flags
+    from benchmarks.common.provenance import cpu_flags, git_commit
+    from benchmarks.oftv2.overhead import CODE
 
     trees = [t.resolve() for t in args.trees]
     runs: dict[str, list[dict[str, float]]] = {label: [] for label in args.labels}
@@ -157,7 +143,7 @@ def main(argv=None) -> int:
     if args.name:
         record = {
             "name": args.name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "code": {label: _tree_commit(tree) for tree, label in zip(trees, args.labels)},
+            "code": {label: git_commit(CODE, root=tree) for tree, label in zip(trees, args.labels)},
             "settings": {k: getattr(args, k) for k in ("processes", "width", "layers", "tokens", "rounds", "iters")},
             "cpu_flags": cpu_flags(), "runs": runs, "table": rows,
         }
