@@ -18,6 +18,9 @@ from typing import Any
 
 from peftplug.errors import ConfigError
 
+#: Keys PEFT writes into every ``adapter_config.json`` besides the config class's own settings.
+SAVED_BOOKKEEPING = ("peft_type", "peft_version", "auto_mapping")
+
 
 def closest(name: str, candidates: Iterable[str]) -> str | None:
     """The candidate nearest to ``name`` (difflib's ratio of at least 0.6), or ``None``.
@@ -143,14 +146,11 @@ def check_peft_spec(spec: Any, field: str = "model.peft") -> None:
         raw = spec["peft_type"]
         peft_type = str(getattr(raw, "value", raw)).upper()
         known = {getattr(k, "value", k): v for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
-        if peft_type in known:
-            keys = [k for k in spec if k not in ("peft_type", "peft_version", "auto_mapping")]
-            if spec.get("peft_version"):
-                # Written by PEFT (an adapter_config.json): a key only another PEFT release has is not a typo; it is
-                # dropped with a warning where the config is built (saved_config_extras), as PEFT's own loading does.
-                extras = set(saved_config_extras(known[peft_type], spec))
-                keys = [k for k in keys if k not in extras]
-            check_init_args(known[peft_type], keys, field)
+        # With peft_version the dict was written by PEFT (an adapter_config.json): a key only another PEFT release
+        # has is not a typo; it is dropped with a warning where the config is built (saved_config_extras), as PEFT's
+        # own loading does. Only a hand-written dict's keys are checked here.
+        if peft_type in known and not spec.get("peft_version"):
+            check_init_args(known[peft_type], [k for k in spec if k not in SAVED_BOOKKEEPING], field)
 
 
 def saved_config_extras(cls: type, spec: dict) -> list[str]:
@@ -164,7 +164,7 @@ def saved_config_extras(cls: type, spec: dict) -> list[str]:
     """
     if not spec.get("peft_version"):
         return []
-    accepted = set(accepted_names(cls)) | {"peft_type", "peft_version", "auto_mapping"}
+    accepted = set(accepted_names(cls)) | set(SAVED_BOOKKEEPING)
     return sorted(k for k in spec if k not in accepted)
 
 
@@ -212,7 +212,7 @@ def suggest(message: str, keys: Iterable[str] = (), options: Iterable[str] = ())
     return message
 
 
-__all__ = ["accepted_names", "check_init_args", "check_peft_spec", "closest", "given_peft_class_path", "hint",
+__all__ = ["SAVED_BOOKKEEPING", "accepted_names", "check_init_args", "check_peft_spec", "closest", "given_peft_class_path", "hint",
            "import_class", "saved_config_extras", "suggest"]
 
 

@@ -371,7 +371,7 @@ def build_peft_config(spec: Any, task: str):
     from peft import PeftConfig
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
-    from peftplug.config_names import check_peft_spec, saved_config_extras
+    from peftplug.config_names import SAVED_BOOKKEEPING, check_peft_spec, saved_config_extras
 
     check_peft_spec(spec)  # a misspelled class or key: one line with the closest valid name, not a TypeError
     if isinstance(spec, PeftConfig):
@@ -385,7 +385,7 @@ def build_peft_config(spec: Any, task: str):
         config = cls(**dict(spec.get("init_args") or {}))
     elif isinstance(spec, dict) and "peft_type" in spec:
         kwargs = dict(spec)
-        raw_type = kwargs.pop("peft_type")
+        raw_type = kwargs["peft_type"]
         peft_type = str(getattr(raw_type, "value", raw_type)).upper()  # a PeftType enum or its name
         import_plugin_for(peft_type)
         known = {getattr(k, "value", k): v for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
@@ -402,7 +402,7 @@ def build_peft_config(spec: Any, task: str):
                 "way when it loads such an adapter. Install that PEFT version to use them.",
                 stacklevel=2,
             )
-        for key in ("peft_version", "auto_mapping", *extras):
+        for key in (*SAVED_BOOKKEEPING, *extras):
             kwargs.pop(key, None)
         config = cls(**kwargs)
     else:
