@@ -3,8 +3,9 @@
 
 Forward: rotate the input block-wise (the adapter stays fp32/bf16), then call the quantized layer unchanged. On
 CUDA with Triton, a single active adapter on a 4-bit base can run the fused ``peftplug_kernels.ops.nf4_rotate_matmul``
-(rotation in the GEMM prologue, 4-bit dequantized on the fly) instead: always with ``kernel_impl="triton"``, and
-under ``"auto"`` only up to the token count ``peftplug_kernels.dispatch_table`` gives for the device (0 on every
+(rotation in the GEMM prologue, 4-bit dequantized on the fly) instead: always with ``kernel_impl="triton"`` (a
+``ValueError`` naming the layer where the fused kernel cannot run it, e.g. fp32 compute), and under ``"auto"`` only
+on layers it takes, up to the token count ``peftplug_kernels.dispatch_table`` gives for the device (0 on every
 device measured so far: the fused kernel was slower than rotate + bitsandbytes at every size on an H200).
 
 Merge into a quantized base: dequantize -> ``W Rᵀ`` (fp32) -> requantize with the same quant type, blocksize,
@@ -288,6 +289,8 @@ class Linear4bit(_QuantizedOFTv2):
         # CPU inference uses bitsandbytes' dequantize + matmul instead.
         _exact_4bit_weight(base, kwargs.get("layer_name", ""))
         keep_exact_4bit_layout(base)
+        # Read by _plan_kernels, which runs inside super().__init__ (a plain attribute may precede Module.__init__).
+        self._layer_name = kwargs.get("layer_name", "")
         super().__init__(base_layer, adapter_name, config, **kwargs)
 
     def _get_base_weight(self) -> torch.Tensor:
@@ -308,15 +311,18 @@ class Linear4bit(_QuantizedOFTv2):
         state = getattr(weight, "quant_state", None)
         if impl == "torch" or state is None:
             return plan
-        if ops.nf4_kernel_unfit(self.oftv2_block_size[adapter_name], tuple(state.shape)):
-            return plan  # e.g. b > 128: the rotation kernel, then bitsandbytes' own matmul, even when forced
+        # The fused kernels take fp16/bf16 compute, power-of-two quantization blocks >= 64 that rows do not straddle,
+        # a 4-bit code table (one rule, fit.py; tabled in docs/kernels.md).
+        why_not = w4a16_unfit(self.get_base_layer().compute_dtype or state.dtype, tuple(state.shape), state)
         if impl == "triton":
+            if why_not:
+                where = f"layer {self._layer_name!r}" if getattr(self, "_layer_name", "") else "this layer"
+                raise ValueError(
+                    f"kernel_impl='triton' forces the fused NF4 kernel, which cannot run {where}: {why_not} "
+                    "(kernel_impl='auto' runs it unfused: rotation, then bitsandbytes' matmul)"
+                )
             return plan._replace(fused_max_tokens=FUSE_ALWAYS)
-        if choose_impl(impl, "nf4_rotate_matmul", weight) != "triton":
-            return plan
-        if w4a16_unfit(self.get_base_layer().compute_dtype or state.dtype, tuple(state.shape), state):
-            # auto fuses only layers the W4A16 kernels take (fp16/bf16, power-of-two quant blocks >= 64, ...); the
-            # older general kernel that runs the rest when forced was never measured faster than not fusing.
+        if why_not or choose_impl(impl, "nf4_rotate_matmul", weight) != "triton":
             return plan
         return plan._replace(fused_max_tokens=dispatch_table.fused_nf4_max_tokens(weight.device))
 

@@ -15,8 +15,6 @@ everything they run traces with ``torch.compile(fullgraph=True)``: the Triton pa
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from peftplug_kernels import dispatch_table, library
@@ -27,14 +25,11 @@ from peftplug_kernels.cayley_rotate import function as _lean
 from peftplug_kernels.cayley_rotate import reference as _cr_ref
 from peftplug_kernels.nf4_dequantize import reference as _deq_ref
 from peftplug_kernels.nf4_rotate_matmul import reference as _nf4_ref
+from peftplug_kernels.nf4_rotate_matmul.fit import w4a16_unfit
 
 IMPLS = ("auto", "torch", "triton")
-# Largest rotation blocks the register-resident Cayley–Neumann and fused NF4 kernels handle.
+# Largest rotation blocks the register-resident Cayley–Neumann kernel handles.
 CN_TRITON_MAX_BLOCK = 64
-NF4_TRITON_MAX_BLOCK = 128
-# The fused kernel indexes the packed weight with int32 (int64 would cost registers on every tile); no 4-bit layer
-# of a released model comes near this (a 128k-vocabulary × 16k head would, and bitsandbytes skips heads).
-NF4_TRITON_MAX_ELEMENTS = 2**31 - 1
 # Kernel sub-package -> op name in the dispatch table, where they differ.
 _TABLE_OP = {"nf4_dequantize": "dequantize_4bit"}
 # (op, on CUDA) pairs whose forced Triton kernel was found runnable: checked once, not per call. CUDA only: on CPU
@@ -205,20 +200,6 @@ def cayley_rotate(
     return block_rotate(x, _cr_ref.drop_blocks(rotation, keep, width // block_size), impl=rotate_impl)
 
 
-def nf4_kernel_unfit(block_size: int, weight_shape: tuple[int, ...]) -> str:
-    """Why the fused NF4 kernel cannot take a layer (``""`` when it can).
-
-    Args:
-        block_size: Rotation block size b.
-        weight_shape: ``(out, in)`` of the 4-bit weight.
-    """
-    if block_size > NF4_TRITON_MAX_BLOCK:
-        return f"it supports rotation blocks up to {NF4_TRITON_MAX_BLOCK}, got {block_size}"
-    if math.prod(weight_shape) > NF4_TRITON_MAX_ELEMENTS:
-        return f"its int32 weight offsets cover up to 2³¹ - 1 elements, got {weight_shape}"
-    return ""
-
-
 def nf4_rotate_matmul(
     x: torch.Tensor,
     rotation: torch.Tensor,
@@ -245,7 +226,9 @@ def nf4_rotate_matmul(
         raise ValueError(f"quant_state.shape {shape} does not match input width {x.shape[-1]}")
     _check_rotation(x.shape[-1], rotation)
     tensors = (x, rotation, weight) + (() if bias is None else (bias,))
-    why_not = nf4_kernel_unfit(rotation.shape[-1], shape)
+    # One rule for the fused kernels (fit.py; tabled in docs/kernels.md): auto leaves the other layers unfused,
+    # forcing the fused kernel there is a one-line error.
+    why_not = w4a16_unfit(x.dtype, shape, quant_state)
     if why_not and impl == "triton":
         raise ValueError(f"the fused NF4 kernel cannot run this layer: {why_not}")
     fused = not why_not and _resolved(impl, "nf4_rotate_matmul", *tensors) == "triton"

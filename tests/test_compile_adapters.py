@@ -174,7 +174,8 @@ def test_oftv2_inductor():
 
 @pytest.fixture(scope="module")
 def nf4_llama(tmp_path_factory):
-    """Factory of a 1-layer tiny Llama loaded as NF4 (double quant, fp32 compute) through transformers."""
+    """Factory ``nf4_llama(compute_dtype=torch.float32)`` of a 1-layer tiny Llama loaded as NF4 (double quant)
+    through transformers."""
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
     from transformers.utils import logging
@@ -182,20 +183,25 @@ def nf4_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama_1l")
     _tiny_llama().save_pretrained(path)
     logging.disable_progress_bar()
-    qconfig = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                 bnb_4bit_compute_dtype=torch.float32)
-    return lambda: AutoModelForCausalLM.from_pretrained(path, quantization_config=qconfig, device_map="cpu")
+
+    def load(compute_dtype: torch.dtype = torch.float32):
+        qconfig = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                     bnb_4bit_compute_dtype=compute_dtype)
+        return AutoModelForCausalLM.from_pretrained(path, quantization_config=qconfig, device_map="cpu")
+
+    return load
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_qoft_nf4(nf4_llama, impl):
-    # "triton" forces the fused rotate + NF4 dequantize + matmul kernel in every 4-bit layer; "torch" rotates, then
-    # calls bitsandbytes' Linear4bit, whose 4-bit ops (custom ops since bitsandbytes 0.50) compile whole too.
+    # "triton" forces the fused rotate + NF4 dequantize + matmul kernel in every 4-bit layer (it takes fp16/bf16
+    # compute only); "torch" rotates, then calls bitsandbytes' Linear4bit, whose 4-bit ops (custom ops since
+    # bitsandbytes 0.50) compile whole too.
     _needs_triton(impl)
     from oftv2 import bnb as qoft
 
-    model = peft.get_peft_model(nf4_llama(), oftv2.OFTv2Config(block_size=16, target_modules="all-linear",
-                                                               kernel_impl=impl))
+    base = nf4_llama(torch.float16 if impl == "triton" else torch.float32)
+    model = peft.get_peft_model(base, oftv2.OFTv2Config(block_size=16, target_modules="all-linear", kernel_impl=impl))
     randomize_q(model, std=0.05)
     model.train()
     layers = [m for m in model.modules() if isinstance(m, qoft.Linear4bit)]

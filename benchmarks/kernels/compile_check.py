@@ -40,35 +40,14 @@ SM90_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 
 
 def _configs():
     """``(label, kernel, pointer/scalar types by argument, constexprs, options)`` for each launch we make."""
-    from peftplug_kernels._tiles import fit_tiles
     from peftplug_kernels.block_rotate import triton as rotate
     from peftplug_kernels.cayley_neumann import triton as cn
     from peftplug_kernels.nf4_dequantize import triton as dequant
-    from peftplug_kernels.nf4_rotate_matmul import triton as fused
 
     for dtype in ("bf16", "fp16", "fp32"):
         half = dtype != "fp32"
         precision = "tf32" if half else "ieee"
-        # nf4_rotate_matmul: the wrapper's tiles per rotation-block tile (all four flag combinations), and the
-        # smaller tiles fit_tiles picks for few tokens (double quant, scale per column: the common case).
-        for bb in (16, 32, 64, 128):
-            block_t, block_n, stages, warps = fused.gpu_launch(bb, half)
-            small = {fit_tiles(block_t, block_n, warps, tokens, n, H200_MULTIPROCESSORS, bb)
-                     for tokens in (1, 16, 64, 256, 1024) for n in (1024, 4096, 14336)} - {(block_t, block_n, warps)}
-            variants = [(block_t, block_n, warps, flags) for flags in
-                        ((True, True), (True, False), (False, True), (False, False))]
-            variants += [(t, n, w, (True, True)) for t, n, w in sorted(small)]
-            for tile_t, tile_n, tile_warps, (nested, per_col) in variants:
-                types = {"x_ptr": f"*{dtype}", "r_ptr": "*fp32", "w_ptr": "*u8",
-                         "absmax_ptr": "*u8" if nested else "*fp32", "code_ptr": "*fp32", "absmax2_ptr": "*fp32",
-                         "code2_ptr": "*fp32", "offset": "fp32", "bias_ptr": f"*{dtype}", "y_ptr": f"*{dtype}"}
-                const = {"QBLOCK": 64, "QBLOCK2": 256 if nested else 1, "NESTED": nested, "SCALE_PER_COL": per_col,
-                         "HAS_BIAS": True, "HALF_DOT": half,
-                         "PRECISION": precision, "BLOCK_T": tile_t, "BLOCK_N": tile_n, "BB": bb}
-                label = f"nf4_rotate_matmul {dtype} b≤{bb} {tile_t}×{tile_n}/{tile_warps}w nested={nested} per_col={per_col}"
-                yield (label, fused._rotate_dequant_matmul_kernel, types, const,
-                       {"num_warps": tile_warps, "num_stages": stages})
-        if half:
+        if half:  # the fused NF4 kernels take half-precision activations only (fp32 layers run unfused)
             yield from _w4a16_configs(dtype)
         for nested in (True, False):
             types = {"w_ptr": "*u8", "absmax_ptr": "*u8" if nested else "*fp32", "code_ptr": "*fp32",

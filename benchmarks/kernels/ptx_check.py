@@ -9,7 +9,8 @@ Two claims of the design (docs/kernels.md, "The NF4 forward from its FLOP/byte t
    in the loop: 4-byte ``cp.async`` copies or ``ld.global``, one per decoded element. The check counts the
    loop's scalar global reads (``ld.global`` and ``cp.async`` of ≤ 4 bytes) at K steps of 64 and 128. It wants
    fewer than a quarter of the weight elements each thread decodes, where a per-element gather gives at least
-   one each. As a control it runs the same count on the first fused kernel, which must fail it.
+   one each. As a control it runs the same count on a decode that gathers per element (``gather_control.py``,
+   what the first, retired fused kernel did), which must fail it.
    What remains in the new kernel are per-row scale reads; packed weights, x and R arrive as 8–16-byte
    ``cp.async`` vectors.
 
@@ -51,17 +52,15 @@ def loop_profile(ptx: str) -> dict:
     }
 
 
-def _first_kernel_profile(dtype: str) -> dict:
-    """Loop profile of the first fused kernel (``code[nibble]`` gathered per element), 16 × 64 tiles, b = 32."""
+def _control_profile(dtype: str) -> dict:
+    """Loop profile of the control (``gather_control.py``: ``code[nibble]`` gathered per element), 16 × 64 tiles,
+    K step 32 (what the first fused kernel ran at b = 32)."""
+    from benchmarks.kernels.gather_control import gather_decode_kernel
     from benchmarks.kernels.sm90_compile import compile_sm90
-    from peftplug_kernels.nf4_rotate_matmul import triton as first
 
-    types = {"x_ptr": f"*{dtype}", "r_ptr": "*fp32", "w_ptr": "*u8", "absmax_ptr": "*u8", "code_ptr": "*fp32",
-             "absmax2_ptr": "*fp32", "code2_ptr": "*fp32", "offset": "fp32", "bias_ptr": f"*{dtype}",
-             "y_ptr": f"*{dtype}"}
-    const = {"QBLOCK": 64, "QBLOCK2": 256, "NESTED": True, "SCALE_PER_COL": True, "HAS_BIAS": True, "HALF_DOT": True,
-             "PRECISION": "tf32", "BLOCK_T": 16, "BLOCK_N": 64, "BB": 32}
-    compiled = compile_sm90(first._rotate_dequant_matmul_kernel, types, const, {"num_warps": 4, "num_stages": 4})
+    types = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "code_ptr": "*fp32", "y_ptr": f"*{dtype}"}
+    const = {"BLOCK_T": 16, "BLOCK_N": 64, "BLOCK_K": 32}
+    compiled = compile_sm90(gather_decode_kernel, types, const, {"num_warps": 4, "num_stages": 4})
     return loop_profile(compiled.asm["ptx"])
 
 
@@ -103,12 +102,12 @@ def findings(dtype: str = "bf16") -> dict:
         checks.append((4 * prof["scalar_reads"] < per_thread,
                        f"{label}: {prof['scalar_reads']} scalar global reads per K step for {per_thread} elements"))
     claims["no global load in the per-element decode"] = (all(ok for ok, _ in checks), "; ".join(w for _, w in checks))
-    control = _first_kernel_profile(dtype)
+    control = _control_profile(dtype)
     per_thread = 32 * 64 // threads
-    claims["control: the first kernel's per-element gathers fail the same count"] = (
+    claims["control: a per-element code-table gather fails the same count"] = (
         4 * control["scalar_reads"] >= per_thread,
         f"{control['scalar_reads']} scalar global reads per K step for {per_thread} elements")
-    profiles["first kernel (control) 16×64, b 32"] = control
+    profiles["gather decode (control) 16×64, K step 32"] = control
     return {"profiles": profiles, "claims": claims}
 
 

@@ -232,7 +232,13 @@ def grad_config(tokens: int, n: int, k: int, qblock: int, programs_wanted: int) 
     return resolve(cfg, tokens, -(-n // cfg.block_n), k // cfg.block_k, programs_wanted)
 
 
-def _refuse(x2: torch.Tensor, quant_state) -> None:
+def refuse_unfit(x2: torch.Tensor, quant_state) -> None:
+    """Raises the one-line ``ValueError`` of :func:`w4a16_unfit` for a layer these kernels do not take.
+
+    Args:
+        x2: The activations (or output gradient) the kernel would read.
+        quant_state: The weight's ``QuantState``.
+    """
     why = w4a16_unfit(x2.dtype, tuple(quant_state.shape), quant_state)
     if why:
         raise ValueError(f"the W4A16 NF4 kernel cannot run this layer: {why}")
@@ -253,7 +259,7 @@ def fused_forward(x2: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor
     Raises:
         ValueError: For a layer :func:`peftplug_kernels.nf4_rotate_matmul.fit.w4a16_unfit` refuses (one line).
     """
-    _refuse(x2, quant_state)
+    refuse_unfit(x2, quant_state)
     tokens, k = x2.shape
     n = int(quant_state.shape[0])
     b = rotation.shape[-1]
@@ -324,7 +330,7 @@ def grad_rotated_input(grad2: torch.Tensor, weight: torch.Tensor, quant_state,
                                                                       quant_state)
     if not fused:
         return grad2 @ dequantize_4bit(weight, quant_state, dtype=grad2.dtype)
-    _refuse(grad2, quant_state)
+    refuse_unfit(grad2, quant_state)
     qs = cached_state(quant_state, grad2.device)
     wanted = 2 * _multiprocessors(grad2.device)
     if config is not None:

@@ -35,7 +35,9 @@ def test_gpu_benchmark_dry_run(tmp_path):
     impls = {(r["op"], r["impl"]) for r in results["kernels"]}
     assert ("block_rotate", "triton") in impls
     assert ("nf4_rotate_matmul, 48 tokens", "fused nf4_rotate_matmul (triton)") in impls
-    assert all(r["max_rel_err"] < 1e-4 for r in results["kernels"]), results["kernels"]
+    # fp16 activations (what the fused kernels take): a few fp16 roundings; Cayley–Neumann computes in fp32.
+    assert all(r["max_rel_err"] < (1e-4 if r["op"].startswith("cayley_neumann") else 1e-2)
+               for r in results["kernels"]), results["kernels"]
     methods = [r["method"] for r in results["training"]]
     assert methods == ["QOFT (ours)", "QOFT (ours, fused kernel forced)", "PEFT OFT (same 4-bit base)", "QLoRA r=16"]
     assert ("nf4_dequantize 96×128", "triton") in impls

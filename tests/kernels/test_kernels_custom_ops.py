@@ -45,13 +45,15 @@ def test_opcheck_cayley_neumann(device, form):
 @pytest.mark.usefixtures("needs_triton")
 @pytest.mark.parametrize("nested", [False, True])
 def test_opcheck_4bit_ops(device, quantize, nested):
-    _, packed, state = quantize((24, 64), torch.float32, "nf4", nested, device=device)
+    # fp16: the fused kernels' activations (fp32 layers are refused by rule and never reach the op).
+    _, packed, state = quantize((24, 64), torch.float16, "nf4", nested, device=device)
     flat = flatten_quant_state(state)
-    torch.library.opcheck(peftplug.dequantize_4bit, (packed, *flat, torch.float32))
-    x = torch.randn(3, 64, device=device, requires_grad=True)
-    bias = torch.randn(24, device=device, requires_grad=True)
+    torch.library.opcheck(peftplug.dequantize_4bit, (packed, *flat, torch.float16))
+    x = torch.randn(3, 64, device=device, dtype=torch.float16, requires_grad=True)
+    bias = torch.randn(24, device=device, dtype=torch.float16, requires_grad=True)
     torch.library.opcheck(peftplug.nf4_rotate_matmul, (x, _rot(4, 16, device), packed, *flat, bias))
-    torch.library.opcheck(peftplug.nf4_grad_rotated_input, (torch.randn(2, 3, 24, device=device), packed, *flat))
+    torch.library.opcheck(peftplug.nf4_grad_rotated_input,
+                          (torch.randn(2, 3, 24, device=device, dtype=torch.float16), packed, *flat))
 
 
 @pytest.mark.usefixtures("needs_triton")
@@ -95,9 +97,9 @@ def test_block_rotate_op_gradients_match_reference(device, close, transpose):
 
 @pytest.mark.usefixtures("needs_triton")
 def test_eager_bypass_equals_dispatcher(device, monkeypatch, quantize):
-    _, packed, state = quantize((16, 32), torch.float32, "nf4", True, device=device)
-    q = (0.1 * torch.randn(2, cn_ref.triangle_size(16), device=device)).requires_grad_(True)
-    x = torch.randn(4, 32, device=device, requires_grad=True)
+    _, packed, state = quantize((16, 64), torch.float16, "nf4", True, device=device)
+    q = (0.1 * torch.randn(4, cn_ref.triangle_size(16), device=device)).requires_grad_(True)
+    x = torch.randn(4, 64, device=device, dtype=torch.float16, requires_grad=True)
     results = []
     for bypass in (True, False):
         monkeypatch.setattr(library, "EAGER_BYPASS", bypass)
@@ -138,9 +140,9 @@ def test_ops_compile_fullgraph_without_breaks(device, impl):
 @pytest.mark.usefixtures("needs_triton")
 def test_4bit_ops_compile_fullgraph(device, quantize):
     torch._dynamo.reset()
-    _, packed, state = quantize((16, 32), torch.float32, "nf4", True, device=device)
-    rot = _rot(2, 16, device)
-    x = torch.randn(3, 32, device=device, requires_grad=True)
+    _, packed, state = quantize((16, 64), torch.float16, "nf4", True, device=device)
+    rot = _rot(4, 16, device)
+    x = torch.randn(3, 64, device=device, dtype=torch.float16, requires_grad=True)
 
     def fused(x, rot):
         return ops.nf4_rotate_matmul(x, rot, packed, state, impl="triton").sum() + ops.dequantize_4bit(

@@ -57,19 +57,20 @@ def test_light_import_and_interpreter_after_an_early_triton_import(run_fresh, ne
         from peftplug_kernels import ops
         from peftplug_kernels.nf4_rotate_matmul.reference import dequantize_4bit
 
-        class State:  # a double-quantized 4-bit state, built by hand (no bitsandbytes import needed)
-            shape, blocksize, dtype, nested, offset = (8, 32), 32, torch.float32, False, 0.0
+        class State:  # a 4-bit state, built by hand (no bitsandbytes import needed)
+            shape, blocksize, dtype, nested, offset = (8, 64), 64, torch.float16, False, 0.0
             code = torch.linspace(-1, 1, 16)
             absmax = torch.tensor([1.0] * 8)
 
-        packed = torch.randint(0, 256, (128, 1), dtype=torch.uint8)
-        x = torch.randn(3, 32, requires_grad=True)
-        q = torch.zeros(2, 120, requires_grad=True)
+        packed = torch.randint(0, 256, (256, 1), dtype=torch.uint8)
+        x = torch.randn(3, 64, dtype=torch.float16, requires_grad=True)
+        q = torch.zeros(4, 120, requires_grad=True)
         rot = ops.cayley_neumann(q, 16, impl="triton")
         y = ops.nf4_rotate_matmul(ops.block_rotate(x, rot, impl="triton"), rot, packed, State(), impl="triton")
-        y.sum().backward()
-        ref = (x @ torch.block_diag(*rot.detach())) @ torch.block_diag(*rot.detach()) @ dequantize_4bit(packed, State()).T
-        assert torch.allclose(y, ref, atol=1e-4), (y - ref).abs().max()
+        y.float().sum().backward()
+        r = torch.block_diag(*rot.detach())
+        ref = (x.detach().float() @ r) @ r @ dequantize_4bit(packed, State()).float().T
+        assert torch.allclose(y.float(), ref, atol=2e-2 * ref.abs().max()), (y.float() - ref).abs().max()
         assert q.grad is not None and x.grad is not None
         print("ok")
         """,

@@ -20,11 +20,12 @@ bnbf = pytest.importorskip("bitsandbytes.functional")
     [
         ((1,), 16, 64, 16, "nf4", False, False),  # tiny
         ((37,), 40, 128, 32, "nf4", True, False),  # odd token / output counts, double quant
-        ((2, 9), 24, 96, 12, "fp4", False, False),  # non-power-of-two block, rows straddling quant blocks
-        ((130,), 72, 128, 64, "nf4", True, True),  # several token tiles, shared block
+        ((2, 9), 24, 192, 12, "fp4", False, False),  # non-power-of-two block: x rotated before the kernel
+        ((130,), 72, 128, 64, "nf4", True, True),  # several token tiles (above FUSED_MAX_TOKENS), shared block
+        ((3,), 16, 512, 256, "nf4", True, False),  # a rotation block wider than the K step
     ],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fused_matches_unfused_oracle(device, close, quantize, lead, out_f, in_f, b, quant_type, nested, shared, dtype):
     _, packed, state = quantize((out_f, in_f), dtype, quant_type, nested, device=device, seed=in_f + b)
     x = torch.randn(*lead, in_f, device=device, dtype=dtype, requires_grad=True)
@@ -66,14 +67,23 @@ def test_shape_mismatch_raises(quantize):
         ops.nf4_rotate_matmul(torch.randn(2, 48), torch.eye(16)[None], packed, state)
 
 
-def test_layers_the_fused_kernel_cannot_take_are_refused_when_forced():
-    assert ops.nf4_kernel_unfit(32, (4096, 4096)) == ""
-    assert "rotation blocks up to" in ops.nf4_kernel_unfit(256, (4096, 4096))
-    assert "2³¹" in ops.nf4_kernel_unfit(32, (65536, 65536))  # int32 offsets would wrap
-
-    class HugeState:  # only the shape is read before the refusal
-        shape = (65536, 65536)
-
-    with pytest.raises(ValueError, match="cannot run this layer"):
-        ops.nf4_rotate_matmul(torch.zeros(1, 65536), torch.eye(32)[None], torch.zeros(1, dtype=torch.uint8),
-                              HugeState(), impl="triton")
+@pytest.mark.parametrize(
+    ("dtype", "in_f", "blocksize", "why"),
+    [
+        (torch.float32, 128, 64, "float16/bfloat16 activations, got torch.float32"),
+        (torch.float16, 96, 64, "input width 96 is not a multiple of the quantization blocksize 64"),
+        (torch.bfloat16, 128, 32, "power of two >= 64, got 32"),
+    ],
+)
+def test_forcing_the_fused_kernel_where_it_does_not_run_is_a_one_line_error(quantize, dtype, in_f, blocksize, why):
+    _, packed, state = quantize((16, in_f), dtype, "nf4", True, blocksize=blocksize)
+    x = torch.randn(3, in_f, dtype=dtype)
+    rot = torch.linalg.qr(torch.randn(in_f // 16, 16, 16))[0]
+    # Refused before any kernel loads (no Triton needed for the error), at any token count.
+    with pytest.raises(ValueError, match="the fused NF4 kernel cannot run this layer") as err:
+        ops.nf4_rotate_matmul(x, rot, packed, state, impl="triton")
+    assert why in str(err.value) and "\n" not in str(err.value)
+    # auto runs the same layer unfused, as the torch reference does.
+    w = reference.dequantize_4bit(packed, state, dtype=dtype)
+    torch.testing.assert_close(ops.nf4_rotate_matmul(x, rot, packed, state, impl="auto"),
+                               F.linear(block_rotate(x, rot), w), rtol=1e-2, atol=1e-2)

@@ -65,14 +65,17 @@ def test_fused_grad_input_matches_oracle(device, close, quantize, tokens, out_f,
 
 
 def test_rotate_dequant_matmul_takes_each_path(device, close, quantize):
-    """Few tokens: the fused kernel; many: rotate + dequantize + matmul; fp32: the general kernel."""
+    """Few tokens: the fused kernel; many: rotate + dequantize + matmul; fp32: refused at any token count."""
     kernels = load_kernel_module("nf4_rotate_matmul")
-    for tokens, dtype in ((kernels.FUSED_MAX_TOKENS, torch.bfloat16), (kernels.FUSED_MAX_TOKENS + 1, torch.bfloat16),
-                          (4, torch.float32)):
-        packed, state, rot = _layer(quantize, device, 32, 128, 32, dtype)
-        x = torch.randn(tokens, 128, device=device, dtype=dtype)
-        expected = F.linear(block_rotate(x, rot), bnbf.dequantize_4bit(packed, state).to(dtype))
-        close(kernels.rotate_dequant_matmul(x, rot, packed, state, None), expected, dtype, f"{tokens} tokens {dtype}")
+    for tokens in (kernels.FUSED_MAX_TOKENS, kernels.FUSED_MAX_TOKENS + 1):
+        packed, state, rot = _layer(quantize, device, 32, 128, 32, torch.bfloat16)
+        x = torch.randn(tokens, 128, device=device, dtype=torch.bfloat16)
+        expected = F.linear(block_rotate(x, rot), bnbf.dequantize_4bit(packed, state).to(torch.bfloat16))
+        close(kernels.rotate_dequant_matmul(x, rot, packed, state, None), expected, torch.bfloat16, f"{tokens} tokens")
+    packed, state, rot = _layer(quantize, device, 32, 128, 32, torch.float32)
+    for tokens in (4, kernels.FUSED_MAX_TOKENS + 1):
+        with pytest.raises(ValueError, match="cannot run this layer: its tensor-core dots take float16/bfloat16"):
+            kernels.rotate_dequant_matmul(torch.randn(tokens, 128, device=device), rot, packed, state, None)
 
 
 def test_layers_the_w4a16_kernels_refuse(device, quantize):
