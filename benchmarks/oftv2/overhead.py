@@ -46,6 +46,19 @@ from benchmarks.oftv2.overhead_ops import (
 
 #: The unadapted stack first: every adapted method is read against it.
 METHODS = ("base", "OFTv2 b32", "OFTv2 b32 stacked", "LoRA r16", "PEFT OFT b32")
+
+
+def methods(extra_blocks: tuple[int, ...] = ()) -> tuple[str, ...]:
+    """:data:`METHODS` plus OFTv2 (and stacked) at each extra block size (``--extra-blocks``).
+
+    A smaller block shrinks the series' arithmetic (b² per input feature) while the calls stay the same, which
+    separates what the block size costs from what the framework costs.
+
+    Args:
+        extra_blocks: Block sizes besides 32.
+    """
+    extra = tuple(f"OFTv2 b{b}{stacked}" for b in extra_blocks for stacked in ("", " stacked"))
+    return METHODS[:3] + extra + METHODS[3:]
 MODES = ("eager", "compiled")
 #: The code a result depends on (what ``provenance`` checks for uncommitted changes).
 CODE = ("benchmarks", "peftplug", "oftv2", "peftplug_kernels")
@@ -81,7 +94,7 @@ def build(method: str, width: int, layers: int, seed: int = 0) -> nn.Module:
     """The stack of one method with only its adapter parameters trainable.
 
     Args:
-        method: One of :data:`METHODS`.
+        method: One of :func:`methods`.
         width: Layer width (a multiple of 32, the OFT block size).
         layers: Number of layers.
         seed: Initialisation seed.
@@ -95,16 +108,16 @@ def build(method: str, width: int, layers: int, seed: int = 0) -> nn.Module:
     stack = Stack(width, layers)
     if method == "base":
         return stack.requires_grad_(False)
-    if method.startswith("OFTv2 b32"):
+    if method.startswith("OFTv2 b"):
         import oftv2
 
-        config = oftv2.OFTv2Config(block_size=32, target_modules=["proj"])
+        config = oftv2.OFTv2Config(block_size=int(method.split()[1][1:]), target_modules=["proj"])
     elif method == "LoRA r16":
         config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["proj"])
     elif method == "PEFT OFT b32":
         config = peft.OFTConfig(oft_block_size=32, r=0, target_modules=["proj"], use_cayley_neumann=True)
     else:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        raise ValueError(f"method must be one of {', '.join(METHODS)} or 'OFTv2 b<n>[ stacked]', got {method!r}")
     # The adapted stack itself, not PeftModel: PEFT's wrapper costs once per model call, not per layer.
     model = peft.get_peft_model(stack, config).base_model.model
     if method.endswith("stacked"):
@@ -129,7 +142,7 @@ def fwd_bwd(model: nn.Module, x: torch.Tensor):
 
 
 def measure_width(width: int, layers: int, tokens: int, backend: str, rounds: int, steps: int, iters: int,
-                  warmup: int, dtype: torch.dtype = torch.float32) -> dict:
+                  warmup: int, dtype: torch.dtype = torch.float32, extra_blocks: tuple[int, ...] = ()) -> dict:
     """Times and counts every method, eager and compiled, at one width.
 
     Args:
@@ -142,6 +155,7 @@ def measure_width(width: int, layers: int, tokens: int, backend: str, rounds: in
         iters: Forward + backward calls per timed sample.
         warmup: Untimed samples per method and mode before the first round.
         dtype: The stack's dtype, weights, adapters and input alike (``--dtype``).
+        extra_blocks: OFTv2 block sizes measured besides 32 (:func:`methods`).
 
     Returns:
         ``{mode: {method: record}}``; a record holds ``samples_us`` (CPU µs per call of the whole stack), the
@@ -153,7 +167,7 @@ def measure_width(width: int, layers: int, tokens: int, backend: str, rounds: in
     out: dict = {mode: {} for mode in MODES}
     runs = {}
     torch._dynamo.reset()  # one width's models per dynamo cache: no method meets another's recompile limit
-    for method in METHODS:
+    for method in methods(extra_blocks):
         model = build(method, width, layers).to(dtype).train()
         runs[("eager", method)] = fwd_bwd(model, x)
         compiled = fwd_bwd(torch.compile(model, backend=backend), x)
@@ -174,11 +188,12 @@ def measure_width(width: int, layers: int, tokens: int, backend: str, rounds: in
     times = interleaved(keys, lambda key: 1e6 * cpu_seconds(runs[key], iters) / iters, rounds, steps, warmup)
     for (mode, method), samples in times.items():
         out[mode][method]["samples_us"] = samples
-    _count_compiled(out["compiled"], width, layers, x, backend)
+    _count_compiled(out["compiled"], width, layers, x, backend, extra_blocks)
     return out
 
 
-def _count_compiled(records: dict, width: int, layers: int, x: torch.Tensor, backend: str) -> None:
+def _count_compiled(records: dict, width: int, layers: int, x: torch.Tensor, backend: str,
+                    extra_blocks: tuple[int, ...]) -> None:
     """Adds ``ops`` and ``top_kernels`` of each compiled method, from a fresh compile whose generated kernels the
     profiler records (Inductor's ``cpp.enable_kernel_profile``)."""
     import torch._dynamo
@@ -186,7 +201,7 @@ def _count_compiled(records: dict, width: int, layers: int, x: torch.Tensor, bac
 
     torch._dynamo.reset()  # the timed copies are done with; new code objects of the same model would hit their cache
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
-        for method in METHODS:
+        for method in methods(extra_blocks):
             run = fwd_bwd(torch.compile(build(method, width, layers).to(x.dtype).train(), backend=backend), x)
             run()
             run()
@@ -230,12 +245,13 @@ def run_layers(args) -> dict:
     torch.set_num_threads(args.threads)
     widths = {}
     for width in args.widths:
-        print(f"width {width}: {len(METHODS)} methods x {len(MODES)} modes", flush=True)
+        extra = tuple(args.extra_blocks)
+        print(f"width {width}: {len(methods(extra))} methods x {len(MODES)} modes", flush=True)
         raw = measure_width(width, args.layers, args.tokens, args.backend, args.rounds, args.steps, args.iters,
-                            args.warmup, getattr(torch, args.dtype))
+                            args.warmup, getattr(torch, args.dtype), extra)
         widths[str(width)] = {"raw": raw, "summary": summarize(raw, args.layers)}
     settings = {k: getattr(args, k) for k in ("widths", "layers", "tokens", "backend", "rounds", "steps", "iters",
-                                              "warmup", "threads", "quick", "dtype")}
+                                              "warmup", "threads", "quick", "dtype", "extra_blocks")}
     return {"label": args.label, "code": args.code or None, "settings": settings,
             "provenance": provenance(CODE), "widths": widths}
 
@@ -255,6 +271,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=None, help="results folder (default: the committed one)")
     parser.add_argument("--page", type=Path, default=None, help="page to render (default: docs/benchmarks/...)")
     parser.add_argument("--widths", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--extra-blocks", type=int, nargs="*", default=[],
+                        help="OFTv2 block sizes to measure besides 32 (e.g. 8: less series arithmetic, same calls)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--backend", default="inductor")

@@ -16,7 +16,9 @@ PAGE = DOCS / "oftv2_overhead.md"
 RESULTS = results_dir("oftv2") / "overhead"
 TITLE = "# OFTv2 framework overhead on CPU: per adapted layer, eager and compiled"
 #: The OFTv2 rows read against LoRA r16 in the targets table, and what their keys end with.
-VARIANTS = {"OFTv2 b32": "", "OFTv2 b32 stacked": " (stacked rotations)"}
+VARIANTS = {"OFTv2 b32": "", "OFTv2 b32 stacked": " (stacked rotations)",
+            # --extra-blocks 8: the series' arithmetic shrinks 16× per block, the calls stay the same
+            "OFTv2 b8": ", block 8", "OFTv2 b8 stacked": ", block 8 (stacked rotations)"}
 #: Hand-written reading of the runs, beside the result files (Markdown, starting with its own heading).
 NOTES = "notes.md"
 #: Labels in the order the page shows them (others follow, alphabetically).

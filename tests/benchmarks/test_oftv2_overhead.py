@@ -79,3 +79,22 @@ def test_ab_worker_and_table():
     assert "| `before` | OFTv2 b32 | 35 | 2.500 (2.000–3.000) |" in rows
     assert "| `after` | OFTv2 b32 | 22 | 1.500 (1.500–1.500) |" in rows
     assert not any("stacked" in row for row in rows)  # a method missing from a run is left out
+
+
+def test_extra_block_sizes_are_measured_beside_block_32_and_join_the_targets_table(tmp_path):
+    from benchmarks.oftv2 import overhead, overhead_report
+
+    out, page = tmp_path / "results", tmp_path / "oftv2_overhead.md"
+    assert overhead.main(["--quick", "--part", "layers", "--extra-blocks", "8", "--label", "blocks",
+                          "--out-dir", str(out), "--page", str(page)]) == 0
+    record = json.loads((out / "blocks_layers.json").read_text())
+    assert record["settings"]["extra_blocks"] == [8]
+    rows = record["widths"]["32"]["summary"]["eager"]
+    assert list(rows) == ["base", "OFTv2 b32", "OFTv2 b32 stacked", "OFTv2 b8", "OFTv2 b8 stacked", "LoRA r16",
+                          "PEFT OFT b32"]
+    # Block 8 holds a quarter of block 32's parameters per layer (b - 1 per feature / 2): the adapter really differs.
+    model = overhead.build("OFTv2 b8", 32, 1)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 32 * 7 // 2
+    ratios = overhead_report.ratios(overhead_report.load(out)["blocks"])
+    assert "eager µs / layer, width 32, block 8" in ratios and "compiled kernels / layer, width 32, block 8 (stacked rotations)" in ratios
+    assert "| eager | OFTv2 b8 stacked |" in page.read_text()
