@@ -348,7 +348,7 @@ class Linear4bit(_QuantizedOFTv2):
         base = self.get_base_layer()
         compute = base.compute_dtype or x.dtype
         bias = None if base.bias is None else base.bias.to(compute)
-        rotation = self.get_rotation(name, apply_dropout=self.training)
+        rotation = self.forward_rotation(name)
         # The plan chose the fused kernel: "triton", resolved already (no dispatch in the forward).
         y = ops.nf4_rotate_matmul(x.to(compute), rotation, base.weight, base.weight.quant_state, bias, impl="triton")
         return y.to(x.dtype)

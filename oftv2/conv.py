@@ -102,7 +102,7 @@ class Conv2d(OFTv2Module):
         base = self.get_base_layer()
         weight = base.weight.reshape(base.out_channels, -1)
         for name in reversed(self._active_rotations()):
-            rotation = self.get_rotation(name, apply_dropout=self.training)
+            rotation = self.forward_rotation(name)
             weight = rotate_weight(weight, rotation, impl=self.kernel_plan(name).rotate)
         return weight.reshape(base.weight.shape)
 

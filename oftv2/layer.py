@@ -30,6 +30,7 @@ from peftplug_kernels.cayley_rotate.function import compute_dtype
 from peftplug_kernels.cayley_rotate.reference import drop_blocks
 from peftplug_kernels.cayley_rotate.stacked import rotate_by
 
+from . import rotation_cache
 from .adapter_params import AdapterParameterDict
 from .config import OFTv2Config
 from .dispatch import KernelPlan, plan_kernels
@@ -342,6 +343,19 @@ class OFTv2Layer(BaseTunerLayer):
             rotation = drop_blocks(rotation, keep, self.oftv2_n_blocks[adapter_name])
         return rotation
 
+    def forward_rotation(self, adapter_name: str) -> torch.Tensor:
+        """:meth:`get_rotation` as a forward uses it: with block dropout in training, and in eval mode without
+        autograd the blocks cached by :mod:`oftv2.rotation_cache`.
+
+        Args:
+            adapter_name: Name of the adapter.
+        """
+        if rotation_cache.usable(self):
+            q_param = self.oftv2_Q[adapter_name]
+            plan = self.plan_for(adapter_name, q_param)
+            return rotation_cache.rotation(self, adapter_name, q_param, self.oftv2_settings[adapter_name], plan)
+        return self.get_rotation(adapter_name, apply_dropout=self.training)
+
     def rotate_input(self, x: torch.Tensor) -> torch.Tensor:
         """``x R₁ … Rₙ`` over the active adapters of this layer (dropout in training mode).
 
@@ -356,6 +370,9 @@ class OFTv2Layer(BaseTunerLayer):
         # read first so that a compiled graph guards on it: dynamo does not guard module hooks, and a graph traced
         # before stack_rotations (or for another model) must not be reused once the hooks exist.
         stacked = self.__dict__.get(STACKED_ATTR) if self.oftv2_stacking else None
+        # Eval mode without autograd (validation, generate): blocks computed once, then only the rotation. (Not for
+        # float64 inputs, whose series the Function computes in float64 whatever the parameters' dtype.)
+        cached = x.dtype != torch.float64 and rotation_cache.usable(self)
         for name in self.active_adapters:
             # (Stacked blocks exist only for adapters with a parameter here: no lookup on that path.)
             rotation = stacked.get(name) if stacked else None
@@ -367,6 +384,9 @@ class OFTv2Layer(BaseTunerLayer):
                 continue
             settings = self.oftv2_settings[name]
             plan = self.plan_for(name, q_param)
+            if cached:
+                x = ops.block_rotate(x, rotation_cache.rotation(self, name, q_param, settings, plan), impl=plan.rotate)
+                continue
             q_vec = series_input(q_param, settings.max_q_norm)
             keep = self._block_keep(name, q_vec.dtype, q_vec.device) if self.training else None
             x = ops.cayley_rotate(
@@ -495,6 +515,11 @@ class OFTv2Module(nn.Module, OFTv2Layer):
         # forwards nor a compiled graph ever resolve them.
         self.refresh_kernels()
         return out
+
+    def train(self, mode: bool = True):
+        if mode:  # cached inference rotations live in eval mode only (oftv2.rotation_cache)
+            rotation_cache.clear(self)
+        return super().train(mode)
 
 
 class Linear(OFTv2Module):

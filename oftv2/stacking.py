@@ -27,6 +27,7 @@ from torch import nn
 from peftplug_kernels.cayley_rotate.function import compute_dtype, supports
 from peftplug_kernels.cayley_rotate.stacked import stacked_rotations
 
+from . import rotation_cache
 from .conv import Conv2d
 from .layer import STACKED_ATTR, OFTv2Layer, bound_q
 
@@ -99,8 +100,8 @@ class StackedRotations:
     def _before(self, module: nn.Module, args) -> None:
         # Also cleared here: under torch.compile a forward that raises skips the always-called forward hook.
         self._clear()
-        if not self.active():
-            return
+        if not self.active() or rotation_cache.usable(module):
+            return  # (without autograd in eval mode each layer reuses its cached blocks instead)
         # (layer, adapter, triangles, dropout mask) per group; masks drawn layer by layer in module order, the order
         # in which a sequential model's layers would draw them: the same seed drops the same blocks either way.
         groups: dict[tuple, list[tuple[OFTv2Layer, str, torch.Tensor, torch.Tensor | None]]] = {}

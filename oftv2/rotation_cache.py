@@ -1,0 +1,66 @@
+"""Rotation blocks kept across forwards without autograd: evaluation and generation with unmerged adapters.
+
+In training every forward computes the series under autograd, since its backward reaches the skew parameters. A
+forward in eval mode without autograd (``torch.no_grad``, ``torch.inference_mode``: validation loops, ``generate``)
+only reads the blocks, and they depend only on the adapter's parameter, settings and kernel plan. So an OFTv2 layer
+computes them on its first such forward and then only rotates: on the torch path one kernel call per adapter and
+forward instead of six, and no b³ series products per decoded token.
+
+An entry is valid while the parameter is the same tensor at the same version (an optimizer step, ``load_state_dict``
+and in-place writes under ``no_grad`` bump the version; moving the layer gives the parameter new storage, and the
+entry holds the old storage so its address cannot be reused), with the same settings and plan objects. Not seen:
+in-place writes through ``param.data``, which bypass the version counter; after such writes call :func:`clear`
+(steering's cached vectors have the same rule). Switching a layer to training mode drops its entries. Eager only:
+under ``torch.compile`` the series is traced with the rest of the graph (dynamo cannot trace data pointers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+#: Where a layer keeps its entries (in ``__dict__``, not a module attribute: no state_dict entry, no buffer).
+CACHE_ATTR = "_oftv2_inference_rotations"
+
+
+def usable(module: nn.Module) -> bool:
+    """Whether this forward of ``module`` may read and fill the cache (eval mode, no autograd, not compiling).
+
+    Args:
+        module: An OFTv2 layer, or the model the stacking hook runs on.
+    """
+    return not module.training and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def rotation(layer: Any, adapter_name: str, q_param: torch.Tensor, settings: Any, plan: Any) -> torch.Tensor:
+    """The adapter's rotation blocks, computed on the first call and reused while still valid.
+
+    Args:
+        layer: The OFTv2 layer (its ``get_rotation`` computes the blocks).
+        adapter_name: The adapter.
+        q_param: Its parameter, ``layer.oftv2_Q[adapter_name]``.
+        settings: Its settings object, ``layer.oftv2_settings[adapter_name]``.
+        plan: Its kernel plan for the parameter's device.
+    """
+    cache = layer.__dict__.setdefault(CACHE_ATTR, {})
+    entry = cache.get(adapter_name)
+    version, address = q_param._version, q_param.data_ptr()
+    if (entry is not None and entry[1] == version and entry[2] == address and entry[3] is settings
+            and entry[4] is plan):
+        return entry[5]
+    blocks = layer.get_rotation(adapter_name)
+    # The detached parameter pins its storage while the entry lives (see the module docstring).
+    cache[adapter_name] = (q_param.detach(), version, address, settings, plan, blocks)
+    return blocks
+
+
+def clear(module: nn.Module) -> None:
+    """Drops the cached blocks of ``module`` and every layer inside it.
+
+    Args:
+        module: A layer or a whole model.
+    """
+    for m in module.modules():
+        m.__dict__.pop(CACHE_ATTR, None)
