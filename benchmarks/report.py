@@ -27,6 +27,7 @@ from benchmarks.kernels import compile_check, gpu
 from benchmarks.oftv2 import (
     conv,
     cpu,
+    decode,
     fsdp2_memory,
     gpu_step_report,
     llm_sft,
@@ -54,6 +55,7 @@ PAGES: dict[str, list[tuple[str, Callable[[Path], bool] | str]]] = {
     "llm_sft.md": [("page", lambda d: llm_sft.report(d / "llm_sft.md"))],
     # The same result also renders the table in docs/oftv2.md (beside docs/benchmarks/; absent in a --check copy).
     "oftv2_overhead.md": [("page", lambda d: overhead_report.report(overhead_report.RESULTS, d / "oftv2_overhead.md"))],
+    "oftv2_decode.md": [("page", lambda d: decode.report(decode.RESULTS, d / "oftv2_decode.md"))],
     "oftv2_lora_export.md": [("page", lambda d: lora_export.report(lora_export.RESULTS, d / "oftv2_lora_export.md",
                                                                    d.parent / "oftv2.md"))],
     "fsdp2_memory.md": [("page", lambda d: fsdp2_memory.report(fsdp2_memory.RESULTS, d / "fsdp2_memory.md"))],

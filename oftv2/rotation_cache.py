@@ -4,7 +4,8 @@ In training every forward computes the series under autograd, since its backward
 forward in eval mode without autograd (``torch.no_grad``, ``torch.inference_mode``: validation loops, ``generate``)
 only reads the blocks, and they depend only on the adapter's parameter, settings and kernel plan. So an OFTv2 layer
 computes them on its first such forward and then only rotates: on the torch path one kernel call per adapter and
-forward instead of six, and no b³ series products per decoded token.
+forward instead of six, and no b³ series products per decoded token (docs/benchmarks/oftv2_decode.md measures
+it).
 
 An entry is valid while the parameter is the same tensor at the same version (an optimizer step, ``load_state_dict``
 and in-place writes under ``no_grad`` bump the version; moving the layer gives the parameter new storage, and the
@@ -23,6 +24,8 @@ from torch import nn
 
 #: Where a layer keeps its entries (in ``__dict__``, not a module attribute: no state_dict entry, no buffer).
 CACHE_ATTR = "_oftv2_inference_rotations"
+#: Set to ``False`` to compute the series on every forward again (an A/B of the cache: docs/benchmarks/oftv2_decode.md).
+ENABLED = True
 
 
 def usable(module: nn.Module) -> bool:
@@ -31,7 +34,7 @@ def usable(module: nn.Module) -> bool:
     Args:
         module: An OFTv2 layer, or the model the stacking hook runs on.
     """
-    return not module.training and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    return ENABLED and not module.training and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
 def rotation(layer: Any, adapter_name: str, q_param: torch.Tensor, settings: Any, plan: Any) -> torch.Tensor:
