@@ -30,10 +30,11 @@ from peftplug_kernels.cayley_rotate.function import compute_dtype
 from peftplug_kernels.cayley_rotate.reference import drop_blocks
 from peftplug_kernels.cayley_rotate.stacked import rotate_by
 
-from . import rotation_cache
 from .adapter_params import AdapterParameterDict
 from .config import OFTv2Config
 from .dispatch import KernelPlan, plan_kernels
+from .rotation_cache import cache_usable, cached_rotation
+from .rotation_cache import clear as clear_rotation_cache
 
 
 @dataclass(frozen=True)
@@ -350,10 +351,10 @@ class OFTv2Layer(BaseTunerLayer):
         Args:
             adapter_name: Name of the adapter.
         """
-        if rotation_cache.usable(self):
+        if cache_usable(self):
             q_param = self.oftv2_Q[adapter_name]
             plan = self.plan_for(adapter_name, q_param)
-            return rotation_cache.rotation(self, adapter_name, q_param, self.oftv2_settings[adapter_name], plan)
+            return cached_rotation(self, adapter_name, q_param, self.oftv2_settings[adapter_name], plan)
         return self.get_rotation(adapter_name, apply_dropout=self.training)
 
     def rotate_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -372,7 +373,7 @@ class OFTv2Layer(BaseTunerLayer):
         stacked = self.__dict__.get(STACKED_ATTR) if self.oftv2_stacking else None
         # Eval mode without autograd (validation, generate): blocks computed once, then only the rotation. (Not for
         # float64 inputs, whose series the Function computes in float64 whatever the parameters' dtype.)
-        cached = x.dtype != torch.float64 and rotation_cache.usable(self)
+        cached = x.dtype != torch.float64 and cache_usable(self)
         for name in self.active_adapters:
             # (Stacked blocks exist only for adapters with a parameter here: no lookup on that path.)
             rotation = stacked.get(name) if stacked else None
@@ -385,7 +386,7 @@ class OFTv2Layer(BaseTunerLayer):
             settings = self.oftv2_settings[name]
             plan = self.plan_for(name, q_param)
             if cached:
-                x = ops.block_rotate(x, rotation_cache.rotation(self, name, q_param, settings, plan), impl=plan.rotate)
+                x = ops.block_rotate(x, cached_rotation(self, name, q_param, settings, plan), impl=plan.rotate)
                 continue
             q_vec = series_input(q_param, settings.max_q_norm)
             keep = self._block_keep(name, q_vec.dtype, q_vec.device) if self.training else None
@@ -518,7 +519,7 @@ class OFTv2Module(nn.Module, OFTv2Layer):
 
     def train(self, mode: bool = True):
         if mode:  # cached inference rotations live in eval mode only (oftv2.rotation_cache)
-            rotation_cache.clear(self)
+            clear_rotation_cache(self)
         return super().train(mode)
 
 

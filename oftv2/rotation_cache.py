@@ -28,7 +28,7 @@ CACHE_ATTR = "_oftv2_inference_rotations"
 ENABLED = True
 
 
-def usable(module: nn.Module) -> bool:
+def cache_usable(module: nn.Module) -> bool:
     """Whether this forward of ``module`` may read and fill the cache (eval mode, no autograd, not compiling).
 
     Args:
@@ -37,7 +37,7 @@ def usable(module: nn.Module) -> bool:
     return ENABLED and not module.training and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
-def rotation(layer: Any, adapter_name: str, q_param: torch.Tensor, settings: Any, plan: Any) -> torch.Tensor:
+def cached_rotation(layer: Any, adapter_name: str, q_param: torch.Tensor, settings: Any, plan: Any) -> torch.Tensor:
     """The adapter's rotation blocks, computed on the first call and reused while still valid.
 
     Args:

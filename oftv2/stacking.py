@@ -27,9 +27,9 @@ from torch import nn
 from peftplug_kernels.cayley_rotate.function import compute_dtype, supports
 from peftplug_kernels.cayley_rotate.stacked import stacked_rotations
 
-from . import rotation_cache
 from .conv import Conv2d
 from .layer import STACKED_ATTR, OFTv2Layer, bound_q
+from .rotation_cache import cache_usable
 
 
 def eligible(layer: OFTv2Layer, adapter_name: str, q_param: torch.Tensor | None = None) -> bool:
@@ -100,7 +100,7 @@ class StackedRotations:
     def _before(self, module: nn.Module, args) -> None:
         # Also cleared here: under torch.compile a forward that raises skips the always-called forward hook.
         self._clear()
-        if not self.active() or rotation_cache.usable(module):
+        if not self.active() or cache_usable(module):
             return  # (without autograd in eval mode each layer reuses its cached blocks instead)
         # (layer, adapter, triangles, dropout mask) per group; masks drawn layer by layer in module order, the order
         # in which a sequential model's layers would draw them: the same seed drops the same blocks either way.
