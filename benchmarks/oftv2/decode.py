@@ -1,7 +1,9 @@
 """OFTv2 evaluation and greedy decoding with unmerged adapters on SmolLM2-135M, on CPU: the inference rotation cache
 (``oftv2/rotation_cache.py``) against the series on every forward, beside LoRA r16 and the bare base model.
 
-Configurations, adapters on every linear layer of the real model (``smollm2-135m-instruct``, fp32, DESIGN.md §10):
+Configurations, adapters on every linear layer of the real model (``smollm2-135m-instruct``, DESIGN.md §10), on two
+bases (``--bases``): fp32 weights, and NF4 weights with bf16 compute (bitsandbytes; LoRA and OFTv2 there are QLoRA
+and QOFT):
 ``base`` (no adapter), ``LoRA r16``, ``OFTv2 b32`` (eval mode without autograd: blocks computed once, then only
 rotations) and ``OFTv2 b32, series per forward`` (the same model with ``rotation_cache.ENABLED = False``: what
 every forward computed before the cache). Adapter weights are random and nonzero (both OFTv2 rows must compute the
@@ -36,31 +38,41 @@ CODE = ("benchmarks", "oftv2", "peftplug_kernels")
 UNCACHED = "OFTv2 b32, series per forward"
 CONFIGS = ("base", "LoRA r16", "OFTv2 b32", UNCACHED)
 TASKS = ("eval forward", "generate")
+#: The bases measured: name -> (``load_model`` quantization, dtype of the weights or of the 4-bit compute, heading).
+BASES = {"fp32": ("none", "float32", "fp32 weights"),
+         "nf4": ("nf4", "bfloat16", "NF4 weights (bitsandbytes, bf16 compute): QLoRA and QOFT")}
 TITLE = "# OFTv2 evaluation and decoding, unmerged: the inference rotation cache"
 
 
-def build(config: str, quick: bool) -> torch.nn.Module:
-    """The model of ``config`` in eval mode (the two OFTv2 rows share one model; see :func:`measure`).
+def build(config: str, base_kind: str, quick: bool) -> torch.nn.Module:
+    """The model of ``config`` on a base of ``base_kind``, in eval mode (the two OFTv2 rows share one model; see
+    :func:`measure`).
 
     Args:
         config: One of :data:`CONFIGS` other than the uncached row.
+        base_kind: A key of :data:`BASES`.
         quick: A tiny random Llama instead of SmolLM2.
 
     Raises:
-        ValueError: For an unknown configuration.
+        ValueError: For an unknown configuration or base.
     """
     import peft
 
     import oftv2
 
+    if base_kind not in BASES:
+        raise ValueError(f"base must be one of {', '.join(BASES)}, got {base_kind!r}")
+    quantization, dtype, _ = BASES[base_kind]
     if quick:
-        from benchmarks.common.llama import llama
+        from benchmarks.common.llama import llama, quantize_linears_
 
         base = llama(64, 1, 128)
+        if quantization == "nf4":
+            quantize_linears_(base, getattr(torch, dtype))
     else:
         from peftplug.loading import load_model
 
-        base = load_model(MODEL, "causal_lm", "none", "float32")
+        base = load_model(MODEL, "causal_lm", quantization, dtype)
     if config == "base":
         return base.eval()
     if config == "LoRA r16":
@@ -76,16 +88,22 @@ def build(config: str, quick: bool) -> torch.nn.Module:
     return model.eval()
 
 
-def measure(args) -> dict:
-    """Times every configuration on both tasks; returns the result record.
+def measure_base(base_kind: str, args) -> dict:
+    """Times every configuration on one base and both tasks, interleaved.
 
     Args:
+        base_kind: A key of :data:`BASES`.
         args: The command line (:func:`parse_args`).
+
+    Returns:
+        ``{"timed": {task: {config: {"cpu_s", "cpu_all_s"}}}}``.
+
+    Raises:
+        RuntimeError: If the cached and uncached OFTv2 models generate different tokens.
     """
     from oftv2 import rotation_cache
 
-    torch.set_num_threads(args.threads)
-    models = {config: build(config, args.quick) for config in CONFIGS[:3]}
+    models = {config: build(config, base_kind, args.quick) for config in CONFIGS[:3]}
     models[UNCACHED] = models["OFTv2 b32"]
     vocab = models["base"].get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(1)
@@ -104,9 +122,8 @@ def measure(args) -> dict:
             rotation_cache.ENABLED = True
 
     tokens = {config: run(config, "generate") for config in ("OFTv2 b32", UNCACHED)}
-    same_tokens = torch.equal(tokens["OFTv2 b32"], tokens[UNCACHED])
-    if not same_tokens:
-        raise RuntimeError("the cached and uncached OFTv2 models generated different tokens")
+    if not torch.equal(tokens["OFTv2 b32"], tokens[UNCACHED]):
+        raise RuntimeError(f"{base_kind}: the cached and uncached OFTv2 models generated different tokens")
     pairs = [f"{config} | {task}" for task in TASKS for config in CONFIGS]
 
     def step(pair: str) -> float:
@@ -118,9 +135,20 @@ def measure(args) -> dict:
     times = interleaved(pairs, step, rounds=args.rounds, steps_per_round=args.steps, warmup=1)
     timed = {task: {config: {"cpu_s": statistics.median(times[f"{config} | {task}"]),
                              "cpu_all_s": times[f"{config} | {task}"]} for config in CONFIGS} for task in TASKS}
+    return {"timed": timed}
+
+
+def measure(args) -> dict:
+    """Times every base of ``args.bases``; returns the result record.
+
+    Args:
+        args: The command line (:func:`parse_args`).
+    """
+    torch.set_num_threads(args.threads)
+    bases = {base_kind: measure_base(base_kind, args) for base_kind in args.bases}
     settings = {k: getattr(args, k) for k in ("batch", "seq", "prompt", "new", "rounds", "steps", "threads", "quick")}
     settings["model"] = "tiny random Llama (quick)" if args.quick else MODEL
-    return {"settings": settings, "provenance": provenance(CODE), "same_tokens": same_tokens, "timed": timed}
+    return {"settings": settings, "provenance": provenance(CODE), "bases": bases}
 
 
 def render(record: dict) -> str:
@@ -129,25 +157,29 @@ def render(record: dict) -> str:
     Args:
         record: What :func:`measure` returned.
     """
-    s, timed = record["settings"], record["timed"]
+    s = record["settings"]
     lines = [TITLE, "",
              ("Generated by `python -m benchmarks.oftv2.decode` from `benchmarks/oftv2/results/decode.json` (module "
               "docstring: method). In eval mode without autograd an OFTv2 layer computes its rotation blocks once "
-              "and then only rotates (`oftv2/rotation_cache.py`); the last row is the same model with the cache "
-              "off, i.e. the Cayley–Neumann series on every forward, as before the cache. Adapters on every linear "
-              "layer; medians of process CPU time, interleaved."), "",
+              "and then only rotates (`oftv2/rotation_cache.py`); the row `OFTv2 b32, series per forward` is the "
+              "same model with the cache off, i.e. the Cayley–Neumann series on every forward, as before the cache. "
+              "Adapters on every linear layer; medians of process CPU time, interleaved within each base."), "",
              (f"Model: {s['model']}. Eval forward: batch {s['batch']} × {s['seq']} tokens. Generate: greedy, batch 1, "
               f"{s['new']} new tokens after a {s['prompt']}-token prompt. {s['rounds']} rounds × {s['steps']} "
-              f"samples per configuration and task. The cached and uncached OFTv2 models generated "
-              f"{'the same' if record['same_tokens'] else 'different'} tokens."), "",
-             "| task | configuration | CPU ms | / base | / LoRA r16 | / OFTv2 b32, cached |", "|---|---|---|---|---|---|"]
-    for task in TASKS:
-        row = timed[task]
-        for config in CONFIGS:
-            t = row[config]["cpu_s"]
-            ratios = [fmt(t / row[ref]["cpu_s"], ".3f") for ref in ("base", "LoRA r16", "OFTv2 b32")]
-            per = f" ({fmt(1e3 * t / s['new'], '.1f')} per token)" if task == "generate" else ""
-            lines.append(f"| {task} | {config} | {fmt(1e3 * t, '.1f')}{per} | {' | '.join(ratios)} |")
+              f"samples per configuration and task. On each base the cached and uncached OFTv2 models generated "
+              f"the same tokens (the run stops otherwise).")]
+    for base_kind, result in record["bases"].items():
+        timed = result["timed"]
+        lines += ["", f"## {BASES[base_kind][2]}", "",
+                  "| task | configuration | CPU ms | / base | / LoRA r16 | / OFTv2 b32, cached |",
+                  "|---|---|---|---|---|---|"]
+        for task in TASKS:
+            row = timed[task]
+            for config in CONFIGS:
+                t = row[config]["cpu_s"]
+                ratios = [fmt(t / row[ref]["cpu_s"], ".3f") for ref in ("base", "LoRA r16", "OFTv2 b32")]
+                per = f" ({fmt(1e3 * t / s['new'], '.1f')} per token)" if task == "generate" else ""
+                lines.append(f"| {task} | {config} | {fmt(1e3 * t, '.1f')}{per} | {' | '.join(ratios)} |")
     lines += ["", provenance_line(record["provenance"]), ""]
     return "\n".join(lines)
 
@@ -172,6 +204,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a tiny random Llama and one round: a smoke run")
     parser.add_argument("--report", action="store_true", help="render the page from the result; measure nothing")
     parser.add_argument("--out", default=None, help="a trial page (its result written beside it)")
+    parser.add_argument("--bases", nargs="+", choices=tuple(BASES), default=list(BASES))
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=16)
