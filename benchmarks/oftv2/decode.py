@@ -7,7 +7,7 @@ and QOFT):
 ``base`` (no adapter), ``LoRA r16``, ``OFTv2 b32`` (eval mode without autograd: blocks computed once, then only
 rotations) and ``OFTv2 b32, series per forward`` (the same model with ``rotation_cache.ENABLED = False``: what
 every forward computed before the cache). Adapter weights are random and nonzero (both OFTv2 rows must compute the
-same rotations; the run checks that they generate the same tokens). Two tasks, both in eval mode under
+same rotations: the run stops if their logits differ beyond rounding, and records how many generated tokens agree). Two tasks, both in eval mode under
 ``torch.no_grad``: a validation forward of batch × seq tokens, and ``generate`` (greedy, KV cache, batch 1) of
 ``--new`` tokens after a ``--prompt``-token prompt. Timed interleaved round by round, one torch thread, medians of
 process CPU time (on shared cores only ratios measured this way mean anything; DESIGN.md §11).
@@ -41,6 +41,9 @@ TASKS = ("eval forward", "generate")
 #: The bases measured: name -> (``load_model`` quantization, dtype of the weights or of the 4-bit compute, heading).
 BASES = {"fp32": ("none", "float32", "fp32 weights"),
          "nf4": ("nf4", "bfloat16", "NF4 weights (bitsandbytes, bf16 compute): QLoRA and QOFT")}
+#: Largest cached-vs-uncached logit difference, relative to the largest logit, that a base's compute tolerates: fp32
+#: rounding; bf16 rounding of the NF4 layers' inputs through 30 layers.
+LOGIT_TOLERANCE = {"fp32": 1e-4, "nf4": 5e-2}
 TITLE = "# OFTv2 evaluation and decoding, unmerged: the inference rotation cache"
 
 
@@ -96,10 +99,12 @@ def measure_base(base_kind: str, args) -> dict:
         args: The command line (:func:`parse_args`).
 
     Returns:
-        ``{"timed": {task: {config: {"cpu_s", "cpu_all_s"}}}}``.
+        ``{"timed": {task: {config: {"cpu_s", "cpu_all_s"}}}, "cached_vs_uncached": {"max_logit_diff",
+        "tokens_agreeing"}}``: the largest logit difference of the eval forward relative to the largest logit, and
+        how many generated tokens agree before the first that differs.
 
     Raises:
-        RuntimeError: If the cached and uncached OFTv2 models generate different tokens.
+        RuntimeError: If the cached and uncached OFTv2 logits differ beyond :data:`LOGIT_TOLERANCE`.
     """
     from oftv2 import rotation_cache
 
@@ -121,9 +126,17 @@ def measure_base(base_kind: str, args) -> dict:
         finally:
             rotation_cache.ENABLED = True
 
-    tokens = {config: run(config, "generate") for config in ("OFTv2 b32", UNCACHED)}
-    if not torch.equal(tokens["OFTv2 b32"], tokens[UNCACHED]):
-        raise RuntimeError(f"{base_kind}: the cached and uncached OFTv2 models generated different tokens")
+    # The cache computes the same rotation in another order of fp32 operations (relative differences ~1e-7, as
+    # accurate as the series: both err alike against fp64). bf16 compute rounds those apart at the NF4 layers' input,
+    # so greedy decoding may part after some tokens; what must hold is closeness of the logits.
+    logits = {config: run(config, "eval forward").float() for config in ("OFTv2 b32", UNCACHED)}
+    logit_diff = ((logits["OFTv2 b32"] - logits[UNCACHED]).abs().max() / logits[UNCACHED].abs().max()).item()
+    if not logit_diff <= LOGIT_TOLERANCE[base_kind]:
+        raise RuntimeError(f"{base_kind}: the cached and uncached OFTv2 logits differ by {logit_diff:.2e} of the "
+                           f"largest logit (tolerance {LOGIT_TOLERANCE[base_kind]:.0e})")
+    tokens = {config: run(config, "generate")[0, prompt.shape[1]:] for config in ("OFTv2 b32", UNCACHED)}
+    parted = (tokens["OFTv2 b32"] != tokens[UNCACHED]).nonzero()
+    agree = int(parted[0, 0]) if len(parted) else len(tokens[UNCACHED])
     pairs = [f"{config} | {task}" for task in TASKS for config in CONFIGS]
 
     def step(pair: str) -> float:
@@ -135,7 +148,7 @@ def measure_base(base_kind: str, args) -> dict:
     times = interleaved(pairs, step, rounds=args.rounds, steps_per_round=args.steps, warmup=1)
     timed = {task: {config: {"cpu_s": statistics.median(times[f"{config} | {task}"]),
                              "cpu_all_s": times[f"{config} | {task}"]} for config in CONFIGS} for task in TASKS}
-    return {"timed": timed}
+    return {"timed": timed, "cached_vs_uncached": {"max_logit_diff": logit_diff, "tokens_agreeing": agree}}
 
 
 def measure(args) -> dict:
@@ -166,11 +179,14 @@ def render(record: dict) -> str:
               "Adapters on every linear layer; medians of process CPU time, interleaved within each base."), "",
              (f"Model: {s['model']}. Eval forward: batch {s['batch']} × {s['seq']} tokens. Generate: greedy, batch 1, "
               f"{s['new']} new tokens after a {s['prompt']}-token prompt. {s['rounds']} rounds × {s['steps']} "
-              f"samples per configuration and task. On each base the cached and uncached OFTv2 models generated "
-              f"the same tokens (the run stops otherwise).")]
+              f"samples per configuration and task.")]
     for base_kind, result in record["bases"].items():
-        timed = result["timed"]
+        timed, same = result["timed"], result["cached_vs_uncached"]
         lines += ["", f"## {BASES[base_kind][2]}", "",
+                  (f"Cached against uncached OFTv2: the eval forward's logits differ by at most "
+                   f"{same['max_logit_diff']:.1e} of the largest logit (the run stops above "
+                   f"{LOGIT_TOLERANCE[base_kind]:.0e}); greedy decoding agrees on the first "
+                   f"{same['tokens_agreeing']} of {s['new']} tokens."), "",
                   "| task | configuration | CPU ms | / base | / LoRA r16 | / OFTv2 b32, cached |",
                   "|---|---|---|---|---|---|"]
         for task in TASKS:
