@@ -100,8 +100,9 @@ def measure_base(base_kind: str, args) -> dict:
 
     Returns:
         ``{"timed": {task: {config: {"cpu_s", "cpu_all_s"}}}, "cached_vs_uncached": {"max_logit_diff",
-        "tokens_agreeing"}}``: the largest logit difference of the eval forward relative to the largest logit, and
-        how many generated tokens agree before the first that differs.
+        "tokens_agreeing", "rounding_control"}}``: the largest logit difference of the eval forward relative to the
+        largest logit, how many generated tokens agree before the first that differs, and the same logit difference
+        for the LoRA model with its input embeddings scaled by 1 + 1e-7 (what rounding alone does on this base).
 
     Raises:
         RuntimeError: If the cached and uncached OFTv2 logits differ beyond :data:`LOGIT_TOLERANCE`.
@@ -134,6 +135,12 @@ def measure_base(base_kind: str, args) -> dict:
     if not logit_diff <= LOGIT_TOLERANCE[base_kind]:
         raise RuntimeError(f"{base_kind}: the cached and uncached OFTv2 logits differ by {logit_diff:.2e} of the "
                            f"largest logit (tolerance {LOGIT_TOLERANCE[base_kind]:.0e})")
+    # For scale: what rounding alone does on this base (the LoRA model, its input embeddings scaled by 1 + 1e-7).
+    with torch.no_grad():
+        embeds = models["LoRA r16"].get_input_embeddings()(batch)
+        plain = models["LoRA r16"](inputs_embeds=embeds).logits.float()
+        nudged = models["LoRA r16"](inputs_embeds=embeds * (1 + 1e-7)).logits.float()
+    control = ((plain - nudged).abs().max() / plain.abs().max()).item()
     tokens = {config: run(config, "generate")[0, prompt.shape[1]:] for config in ("OFTv2 b32", UNCACHED)}
     parted = (tokens["OFTv2 b32"] != tokens[UNCACHED]).nonzero()
     agree = int(parted[0, 0]) if len(parted) else len(tokens[UNCACHED])
@@ -148,7 +155,8 @@ def measure_base(base_kind: str, args) -> dict:
     times = interleaved(pairs, step, rounds=args.rounds, steps_per_round=args.steps, warmup=1)
     timed = {task: {config: {"cpu_s": statistics.median(times[f"{config} | {task}"]),
                              "cpu_all_s": times[f"{config} | {task}"]} for config in CONFIGS} for task in TASKS}
-    return {"timed": timed, "cached_vs_uncached": {"max_logit_diff": logit_diff, "tokens_agreeing": agree}}
+    return {"timed": timed, "cached_vs_uncached": {"max_logit_diff": logit_diff, "tokens_agreeing": agree,
+                                                    "rounding_control": control}}
 
 
 def measure(args) -> dict:
@@ -186,7 +194,9 @@ def render(record: dict) -> str:
                   (f"Cached against uncached OFTv2: the eval forward's logits differ by at most "
                    f"{same['max_logit_diff']:.1e} of the largest logit (the run stops above "
                    f"{LOGIT_TOLERANCE[base_kind]:.0e}); greedy decoding agrees on the first "
-                   f"{same['tokens_agreeing']} of {s['new']} tokens."), "",
+                   f"{same['tokens_agreeing']} of {s['new']} tokens. For scale, rounding alone: the LoRA model's "
+                   f"logits move by {same['rounding_control']:.1e} of the largest when its input embeddings are "
+                   f"scaled by 1 + 1e-7."), "",
                   "| task | configuration | CPU ms | / base | / LoRA r16 | / OFTv2 b32, cached |",
                   "|---|---|---|---|---|---|"]
         for task in TASKS:

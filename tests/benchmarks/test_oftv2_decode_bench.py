@@ -28,6 +28,7 @@ def test_quick_run_writes_the_result_and_the_report_rebuilds_the_page(tmp_path):
     text = page.read_text()
     assert text.count("| generate |") == len(decode.BASES) * len(decode.CONFIGS)
     assert all(f"## {heading}" in text for _, _, heading in decode.BASES.values())
+    assert text.count("For scale, rounding alone") == len(decode.BASES)
     page.unlink()
     decode.main(["--report", "--out", str(page)])
     assert page.read_text() == text
