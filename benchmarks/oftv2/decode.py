@@ -3,13 +3,12 @@
 
 Configurations, adapters on every linear layer of the real model (``smollm2-135m-instruct``, DESIGN.md §10), on two
 bases (``--bases``): fp32 weights, and NF4 weights with bf16 compute (bitsandbytes; LoRA and OFTv2 there are QLoRA
-and QOFT):
-``base`` (no adapter), ``LoRA r16``, ``OFTv2 b32`` (eval mode without autograd: blocks computed once, then only
-rotations) and ``OFTv2 b32, series per forward`` (the same model with ``rotation_cache.ENABLED = False``: what
-every forward computed before the cache). Adapter weights are random and nonzero (both OFTv2 rows must compute the
-same rotations: the run stops if their logits differ beyond rounding, and records how many generated tokens agree). Two tasks, both in eval mode under
-``torch.no_grad``: a validation forward of batch × seq tokens, and ``generate`` (greedy, KV cache, batch 1) of
-``--new`` tokens after a ``--prompt``-token prompt. Timed interleaved round by round, one torch thread, medians of
+and QOFT): ``base`` (no adapter), ``LoRA r16``, ``OFTv2 b32`` (eval mode without autograd: blocks computed once,
+then only rotations) and ``OFTv2 b32, series per forward`` (the same model with ``rotation_cache.ENABLED = False``:
+what every forward computed before the cache). Adapter weights are random and nonzero. Both OFTv2 rows must compute
+the same rotations: the run stops if their logits differ beyond rounding, and records how many generated tokens
+agree. Two tasks, both in eval mode under ``torch.no_grad``: a validation forward of batch × seq tokens, and
+``generate`` (greedy, KV cache, batch 1) of ``--new`` tokens after a ``--prompt``-token prompt. Timed interleaved round by round, one torch thread, medians of
 process CPU time (on shared cores only ratios measured this way mean anything; DESIGN.md §11).
 
 Run: ``OMP_NUM_THREADS=1 python -m benchmarks.oftv2.decode`` writes ``benchmarks/oftv2/results/decode.json`` and
