@@ -8,8 +8,9 @@ then only rotations) and ``OFTv2 b32, series per forward`` (the same model with 
 what every forward computed before the cache). Adapter weights are random and nonzero. Both OFTv2 rows must compute
 the same rotations: the run stops if their logits differ beyond rounding, and records how many generated tokens
 agree. Two tasks, both in eval mode under ``torch.no_grad``: a validation forward of batch × seq tokens, and
-``generate`` (greedy, KV cache, batch 1) of ``--new`` tokens after a ``--prompt``-token prompt. Timed interleaved round by round, one torch thread, medians of
-process CPU time (on shared cores only ratios measured this way mean anything; DESIGN.md §11).
+``generate`` (greedy, KV cache, batch 1) of ``--new`` tokens after a ``--prompt``-token prompt. Timed interleaved
+round by round, one torch thread, medians of process CPU time (on shared cores only ratios measured this way mean
+anything; DESIGN.md §11).
 
 Run: ``OMP_NUM_THREADS=1 python -m benchmarks.oftv2.decode`` writes ``benchmarks/oftv2/results/decode.json`` and
 ``docs/benchmarks/oftv2_decode.md``; ``--report`` renders the page from the committed result; ``--quick`` runs the
