@@ -36,7 +36,7 @@ from peftplug.quantized_layout import (
     repacked_message,
 )
 from peftplug_kernels import dispatch_table, ops
-from peftplug_kernels.nf4_rotate_matmul.fit import w4a16_unfit
+from peftplug_kernels.nf4_rotate_matmul.fit import HALF_DTYPES, w4a16_unfit
 
 from .config import OFTv2Config
 from .dispatch import FUSE_ALWAYS, KernelPlan, choose_impl
@@ -299,6 +299,41 @@ class Linear4bit(_QuantizedOFTv2):
     def _set_base_weight(self, weight: torch.Tensor) -> None:
         requantize_4bit_weight(self.get_base_layer(), weight, mode=self.requantization)
 
+    def update_layer(self, adapter_name: str, config: OFTv2Config, **kwargs) -> None:
+        """Adds the adapter, refusing ``kernel_impl='triton'`` on a layer the fused kernels do not take.
+
+        Args:
+            adapter_name: Name of the adapter.
+            config: Its configuration.
+            **kwargs: As for :meth:`OFTv2Layer.update_layer`.
+
+        Raises:
+            ValueError: One line naming the layer and the reason, before anything is registered (a half-built
+                adapter would make every later kernel refresh, e.g. at ``.to()``, raise).
+        """
+        if config.kernel_impl == "triton" and getattr(self.get_base_layer().weight, "quant_state", None) is not None:
+            why_not = self._w4a16_unfit()
+            if why_not:
+                raise self._fused_refusal(why_not)
+        super().update_layer(adapter_name, config, **kwargs)
+
+    def _w4a16_unfit(self, dtype: torch.dtype | None = None) -> str:
+        """Why the fused kernels cannot take this layer, ``""`` when they can (one rule, fit.py; docs/kernels.md).
+
+        Args:
+            dtype: The compute dtype (default: the layer's ``compute_dtype``; when that is unset the forward computes
+                in the activations' dtype, so only the weight's rules are judged here and the dtype per forward).
+        """
+        base = self.get_base_layer()
+        state = base.weight.quant_state
+        return w4a16_unfit(dtype or base.compute_dtype or HALF_DTYPES[-1], tuple(state.shape), state)
+
+    def _fused_refusal(self, why_not: str) -> ValueError:
+        """The one-line error for ``kernel_impl='triton'`` on a layer the fused kernels do not take."""
+        where = f"layer {self._layer_name!r}" if getattr(self, "_layer_name", "") else "this layer"
+        return ValueError(f"kernel_impl='triton' forces the fused NF4 kernel, which cannot run {where}: {why_not} "
+                          "(kernel_impl='auto' runs it unfused: rotation, then bitsandbytes' matmul)")
+
     def _plan_kernels(self, adapter_name: str) -> KernelPlan:
         """The linear layer's plan plus up to how many tokens this adapter runs the fused 4-bit kernel.
 
@@ -308,26 +343,21 @@ class Linear4bit(_QuantizedOFTv2):
         plan = super()._plan_kernels(adapter_name)
         impl = plan.settings.impl
         weight = self.get_base_layer().weight
-        state = getattr(weight, "quant_state", None)
-        if impl == "torch" or state is None:
+        if impl == "torch" or getattr(weight, "quant_state", None) is None:
             return plan
-        # The fused kernels take fp16/bf16 compute, power-of-two quantization blocks >= 64 that rows do not straddle,
-        # a 4-bit code table (one rule, fit.py; tabled in docs/kernels.md).
-        why_not = w4a16_unfit(self.get_base_layer().compute_dtype or state.dtype, tuple(state.shape), state)
-        if impl == "triton":
-            if why_not:
-                where = f"layer {self._layer_name!r}" if getattr(self, "_layer_name", "") else "this layer"
-                raise ValueError(
-                    f"kernel_impl='triton' forces the fused NF4 kernel, which cannot run {where}: {why_not} "
-                    "(kernel_impl='auto' runs it unfused: rotation, then bitsandbytes' matmul)"
-                )
+        if impl == "triton":  # (update_layer refused the layers it cannot take; _fused_adapter checks the dtype)
             return plan._replace(fused_max_tokens=FUSE_ALWAYS)
-        if why_not or choose_impl(impl, "nf4_rotate_matmul", weight) != "triton":
+        if self._w4a16_unfit() or choose_impl(impl, "nf4_rotate_matmul", weight) != "triton":
             return plan
         return plan._replace(fused_max_tokens=dispatch_table.fused_nf4_max_tokens(weight.device))
 
     def _fused_adapter(self, x: torch.Tensor) -> str | None:
-        """The adapter to run through the fused rotate + 4-bit matmul kernel, or ``None`` for the unfused path."""
+        """The adapter to run through the fused rotate + 4-bit matmul kernel, or ``None`` for the unfused path.
+
+        Raises:
+            ValueError: When ``kernel_impl='triton'`` forces the fused kernel on compute it does not take (a layer
+                without ``compute_dtype`` computes in the activations' dtype, known only here).
+        """
         active = [a for a in self.active_adapters if a in self.oftv2_Q]
         if len(active) != 1:
             return None
@@ -336,6 +366,10 @@ class Linear4bit(_QuantizedOFTv2):
             return None
         base = self.get_base_layer()
         if getattr(base.weight, "quant_state", None) is None or is_repacked(base):
+            return None
+        if (base.compute_dtype or x.dtype) not in HALF_DTYPES:
+            if max_tokens == FUSE_ALWAYS:
+                raise self._fused_refusal(self._w4a16_unfit(base.compute_dtype or x.dtype))
             return None
         if max_tokens != FUSE_ALWAYS and x.numel() > max_tokens * x.shape[-1]:
             return None

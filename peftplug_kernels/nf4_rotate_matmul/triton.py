@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from peftplug_kernels.nf4_rotate_matmul.w4a16 import (  # noqa: F401  (re-exported for function.py, benchmarks)
+from peftplug_kernels.nf4_rotate_matmul.w4a16 import (  # noqa: F401  (re-exported for function.py, benchmarks, tests)
     DECODE_CANDIDATES,
     FUSED_GRAD_MAX_TOKENS,
     FUSED_MAX_TOKENS,
@@ -26,10 +26,7 @@ from peftplug_kernels.nf4_rotate_matmul.w4a16 import (  # noqa: F401  (re-export
     GRAD_CANDIDATES,
     INTERPRETED,
     W4A16Config,
-    _multiprocessors,
-    forward_config,
     fused_forward,
-    grad_config,
     grad_rotated_input,
     refuse_unfit,
     unfused_forward,

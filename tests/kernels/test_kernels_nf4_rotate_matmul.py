@@ -87,3 +87,25 @@ def test_forcing_the_fused_kernel_where_it_does_not_run_is_a_one_line_error(quan
     w = reference.dequantize_4bit(packed, state, dtype=dtype)
     torch.testing.assert_close(ops.nf4_rotate_matmul(x, rot, packed, state, impl="auto"),
                                F.linear(block_rotate(x, rot), w), rtol=1e-2, atol=1e-2)
+
+
+def test_auto_leaves_unfit_layers_unfused_where_the_table_fuses(quantize, monkeypatch):
+    # On CPU auto never resolves the fused op to Triton: stand in for a device whose table fuses (any token count),
+    # so that the fit rule alone decides. The fused kernel itself is replaced by a recorder.
+    real_resolved = ops._resolved
+    monkeypatch.setattr(ops, "_resolved", lambda impl, op, *t: "triton" if op == "nf4_rotate_matmul"
+                        else real_resolved(impl, op, *t))
+    monkeypatch.setattr(ops.dispatch_table, "fused_nf4_max_tokens", lambda device: 1 << 20)
+    fused_calls = []
+    monkeypatch.setattr(ops.library, "nf4_rotate_matmul", lambda *args: fused_calls.append(args) or args[0])
+    rot = torch.linalg.qr(torch.randn(128 // 16, 16, 16))[0]
+    for dtype in (torch.float16, torch.float32):
+        _, packed, state = quantize((16, 128), dtype, "nf4", True)
+        x = torch.randn(3, 128, dtype=dtype)
+        out = ops.nf4_rotate_matmul(x, rot, packed, state, impl="auto")
+        if dtype == torch.float16:  # fit: the table's choice, the fused kernel
+            assert len(fused_calls) == 1
+            continue
+        assert len(fused_calls) == 1  # fp32 activations: unfused, whatever the table says
+        w = reference.dequantize_4bit(packed, state, dtype=dtype)
+        torch.testing.assert_close(out, F.linear(block_rotate(x, rot), w), rtol=1e-4, atol=1e-4)

@@ -109,3 +109,53 @@ def test_auto_leaves_the_fused_kernel_above_the_token_threshold(load_quantized, 
         _set_impl(layer, "triton")
         assert layer._fused_adapter(large) == "default"  # a forced kernel is used at any size
         _assert_half_close(layer(large), unfused, "forced fused vs unfused")
+
+
+def test_a_layer_without_compute_dtype_is_judged_by_its_input(load_quantized, device, monkeypatch):
+    _needs_fused_kernel(device)
+    # compute_dtype unset (a hand-built Linear4bit): the forward computes in the activations' dtype, so the fused
+    # kernel's dtype rule is judged per forward, not on the fp32 quant state at build time.
+    base = load_quantized(4, "nf4", True)
+    for block in base.model.layers:
+        block.self_attn.q_proj.compute_dtype = None
+    model = peft.get_peft_model(base, oftv2.OFTv2Config(block_size=16, target_modules=["q_proj"],
+                                                        kernel_impl="triton"))
+    layer = next(m for m in model.modules() if isinstance(m, qoft.Linear4bit))
+    half = torch.randn(2, 3, layer.in_features, device=device, dtype=torch.float16)
+    assert layer._fused_adapter(half) == "default"
+    with torch.no_grad():
+        fused = layer(half)
+        _set_impl(layer, "torch")
+        _assert_half_close(fused, layer(half), "fused vs unfused, fp16 input")
+    # Forced on fp32 activations: the one-line error naming the layer, at the forward.
+    _set_impl(layer, "triton")
+    with pytest.raises(ValueError, match="kernel_impl='triton' forces the fused NF4 kernel") as err:
+        layer(torch.randn(2, 3, layer.in_features, device=device))
+    assert "'model.layers.0.self_attn.q_proj'" in str(err.value) and "got torch.float32" in str(err.value)
+    # Under auto with a table that fuses, fp32 activations run unfused (no error).
+    real_resolve = qoft.ops.resolve_impl
+    monkeypatch.setattr(qoft.ops, "resolve_impl", lambda impl, *t, **k: real_resolve(
+        "triton" if impl == "auto" else impl, *t, **k))
+    monkeypatch.setattr(dispatch_table, "fused_nf4_max_tokens", lambda device: 64)
+    _set_impl(layer, "auto")
+    assert layer.kernel_plan("default").fused_max_tokens == 64
+    assert layer._fused_adapter(half) == "default"
+    assert layer._fused_adapter(torch.randn(2, 3, layer.in_features, device=device)) is None
+
+
+def test_a_refused_adapter_leaves_the_layer_as_it_was(load_quantized, randomize, device, batch):
+    model = peft.get_peft_model(load_quantized(4, "nf4", True), oftv2.OFTv2Config(block_size=16,
+                                                                                   target_modules=["q_proj"]))
+    randomize(model, std=0.05)
+    model.eval()
+    with torch.no_grad():
+        before = model(**batch).logits
+    with pytest.raises(ValueError, match="kernel_impl='triton' forces the fused NF4 kernel"):
+        model.add_adapter("forced", oftv2.OFTv2Config(block_size=16, target_modules=["q_proj"],
+                                                      kernel_impl="triton"))
+    layer = next(m for m in model.modules() if isinstance(m, qoft.Linear4bit))
+    assert list(layer.oftv2_Q) == ["default"] and list(layer.oftv2_settings) == ["default"]
+    assert list(model.peft_config) == ["default"]
+    model.to(device)  # refreshes every adapter's kernel plan: nothing half-built left to raise
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, before)
