@@ -345,7 +345,7 @@ class Linear4bit(_QuantizedOFTv2):
         weight = self.get_base_layer().weight
         if impl == "torch" or getattr(weight, "quant_state", None) is None:
             return plan
-        if impl == "triton":  # (update_layer refused the layers it cannot take; _fused_adapter checks the dtype)
+        if impl == "triton":  # (update_layer refused the layers it cannot take; _fused_adapter checks each forward)
             return plan._replace(fused_max_tokens=FUSE_ALWAYS)
         if self._w4a16_unfit() or choose_impl(impl, "nf4_rotate_matmul", weight) != "triton":
             return plan
@@ -355,8 +355,8 @@ class Linear4bit(_QuantizedOFTv2):
         """The adapter to run through the fused rotate + 4-bit matmul kernel, or ``None`` for the unfused path.
 
         Raises:
-            ValueError: When ``kernel_impl='triton'`` forces the fused kernel on compute it does not take (a layer
-                without ``compute_dtype`` computes in the activations' dtype, known only here).
+            ValueError: When ``kernel_impl='triton'`` forces the fused kernel on a layer or compute it does not take
+                (a layer without ``compute_dtype`` computes in the activations' dtype, known only here).
         """
         active = [a for a in self.active_adapters if a in self.oftv2_Q]
         if len(active) != 1:
@@ -367,9 +367,12 @@ class Linear4bit(_QuantizedOFTv2):
         base = self.get_base_layer()
         if getattr(base.weight, "quant_state", None) is None or is_repacked(base):
             return None
-        if (base.compute_dtype or x.dtype) not in HALF_DTYPES:
-            if max_tokens == FUSE_ALWAYS:
-                raise self._fused_refusal(self._w4a16_unfit(base.compute_dtype or x.dtype))
+        compute = base.compute_dtype or x.dtype
+        if max_tokens == FUSE_ALWAYS:  # forced: the whole rule again, so that the error names this layer
+            why_not = self._w4a16_unfit(compute)
+            if why_not:
+                raise self._fused_refusal(why_not)
+        elif compute not in HALF_DTYPES:  # (the plan judged the rest)
             return None
         if max_tokens != FUSE_ALWAYS and x.numel() > max_tokens * x.shape[-1]:
             return None

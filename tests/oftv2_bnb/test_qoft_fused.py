@@ -159,3 +159,7 @@ def test_a_refused_adapter_leaves_the_layer_as_it_was(load_quantized, randomize,
     model.to(device)  # refreshes every adapter's kernel plan: nothing half-built left to raise
     with torch.no_grad():
         torch.testing.assert_close(model(**batch).logits, before)
+    # Forcing it afterwards through the settings (no update_layer to refuse it): the forward says the same.
+    _set_impl(layer, "triton")
+    with pytest.raises(ValueError, match="which cannot run layer 'model.layers.0.self_attn.q_proj'"):
+        model(**batch)
