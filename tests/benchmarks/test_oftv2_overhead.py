@@ -98,3 +98,18 @@ def test_extra_block_sizes_are_measured_beside_block_32_and_join_the_targets_tab
     ratios = overhead_report.ratios(overhead_report.load(out)["blocks"])
     assert "eager µs / layer, width 32, block 8" in ratios and "compiled kernels / layer, width 32, block 8 (stacked rotations)" in ratios
     assert "| eager | OFTv2 b8 stacked |" in page.read_text()
+
+
+def test_step_ops_quick_run_splits_each_step_by_op(tmp_path):
+    from benchmarks.oftv2 import overhead_report, step_ops
+
+    assert step_ops.main(["--quick", "--label", "t", "--out-dir", str(tmp_path), "--order", "LoRA r16",
+                          "OFTv2 b32"]) == 0
+    record = json.loads((tmp_path / "step_ops_t.json").read_text())
+    assert list(record["adapters"]) == ["LoRA r16", "OFTv2 b32"]
+    lora, oft = record["adapters"]["LoRA r16"]["ops"], record["adapters"]["OFTv2 b32"]["ops"]
+    # LoRA's adapters are extra plain products; OFTv2's are batched ones (the series and the block rotation).
+    assert lora["aten::mm"]["calls"] > oft["aten::mm"]["calls"]
+    assert "aten::bmm" in oft and "aten::bmm" not in lora
+    assert all(r["median_step_cpu_s"] > 0 for r in record["adapters"].values())
+    assert overhead_report.load(tmp_path) == {}  # not a run of the overhead page
