@@ -368,13 +368,13 @@ class Linear4bit(_QuantizedOFTv2):
         if getattr(base.weight, "quant_state", None) is None or is_repacked(base):
             return None
         compute = base.compute_dtype or x.dtype
-        if max_tokens == FUSE_ALWAYS:  # forced: the whole rule again, so that the error names this layer
+        if max_tokens == FUSE_ALWAYS:  # forced, at any size: the whole rule again, so that the error names this layer
             why_not = self._w4a16_unfit(compute)
             if why_not:
                 raise self._fused_refusal(why_not)
-        elif compute not in HALF_DTYPES:  # (the plan judged the rest)
-            return None
-        if max_tokens != FUSE_ALWAYS and x.numel() > max_tokens * x.shape[-1]:
+            return active[0]
+        # (The plan judged the rest of the rule.)
+        if compute not in HALF_DTYPES or x.numel() > max_tokens * x.shape[-1]:
             return None
         return active[0]
 
