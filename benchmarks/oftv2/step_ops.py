@@ -28,7 +28,7 @@ import torch
 from benchmarks.common.pages import write_json
 from benchmarks.common.provenance import provenance
 from benchmarks.common.timing import lm_train_step
-from benchmarks.oftv2.overhead_llm import ADAPTERS, adapted_model
+from benchmarks.oftv2.overhead_llm import ADAPTERS, OTHER_ADAPTERS, adapted_model
 from benchmarks.oftv2.overhead_report import RESULTS
 
 CODE = ("benchmarks", "peftplug", "oftv2", "peftplug_kernels")
@@ -40,7 +40,7 @@ def measure(adapter: str, args) -> dict:
     """Builds, warms up, times and profiles one adapter's step.
 
     Args:
-        adapter: One of ``overhead_llm.ADAPTERS`` (the stacked one included).
+        adapter: One of ``overhead_llm.ADAPTERS`` or ``OTHER_ADAPTERS`` (stacked ones included).
         args: The command line (:func:`parse_args`).
 
     Returns:
@@ -81,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", default="run")
-    parser.add_argument("--order", nargs="+", default=["OFTv2 b32", "LoRA r16"], choices=ADAPTERS)
+    parser.add_argument("--order", nargs="+", default=["OFTv2 b32", "LoRA r16"], choices=ADAPTERS + OTHER_ADAPTERS)
     parser.add_argument("--eager", dest="compiled", action="store_false", help="eager steps (default: compiled)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)

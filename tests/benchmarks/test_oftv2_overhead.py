@@ -113,3 +113,38 @@ def test_step_ops_quick_run_splits_each_step_by_op(tmp_path):
     assert "aten::bmm" in oft and "aten::bmm" not in lora
     assert all(r["median_step_cpu_s"] > 0 for r in record["adapters"].values())
     assert overhead_report.load(tmp_path) == {}  # not a run of the overhead page
+
+
+def test_step_flops_quick_run_counts_the_adapters_products_by_hand(tmp_path):
+    from benchmarks.common.llama import llama
+    from benchmarks.oftv2 import step_flops
+
+    assert step_flops.main(["--quick", "--label", "t", "--out-dir", str(tmp_path),
+                            "--adapters", "OFTv2 b16", "OFTv2 b32", "LoRA r16"]) == 0
+    record = json.loads((tmp_path / "step_flops_t.json").read_text())
+    lora = record["adapters"]["LoRA r16"]["by_op"]
+    # The quick model: one decoder layer, width 64; batch 1 × 8 tokens; OFTv2 blocks of 16 and 32 (default 5 series
+    # terms), LoRA r16, each on every linear layer of the block (not the LM head).
+    cfg, tokens, r = llama(64, 1, 128).config, 8, 16
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    shapes = {"q": (h, h), "k": (h, kv), "v": (h, kv), "o": (h, h), "gate": (h, inter), "up": (h, inter),
+              "down": (inter, h)}
+    # q, k and v read the first layer's normed embeddings, which need no gradient: their input gradient is skipped.
+    first = {"q", "k", "v"}
+    for b in (16, 32):
+        oft = record["adapters"][f"OFTv2 b{b}"]["by_op"]
+        # Per layer: 7 block products of the series (3 forward, 4 backward) and the rotation's x R, g Rᵀ, xᵀ g.
+        series = sum(7 * 2 * (i // b) * b**3 for i, _ in shapes.values())
+        rotation = sum((2 if name in first else 3) * 2 * tokens * i * b for name, (i, _) in shapes.items())
+        assert oft["aten.bmm"] + oft["aten.baddbmm"] == series + rotation, b
+    # LoRA r16: A and B forward, their weight gradients and their input gradients (A's skipped where x needs none);
+    # OFTv2 instead needs the frozen products' input gradients there too, for its rotations' gradients.
+    lora_products = sum((6 * i + 6 * o - (2 * i if name in first else 0)) * tokens * r
+                        for name, (i, o) in shapes.items())
+    extra_frozen = sum(2 * tokens * i * o for name, (i, o) in shapes.items() if name in first)
+    assert lora["aten.mm"] - record["adapters"]["OFTv2 b32"]["by_op"]["aten.mm"] == lora_products - extra_frozen
+    assert "aten.bmm" not in lora and lora["aten._scaled_dot_product_flash_attention_for_cpu"] > 0  # attention counted
+    totals = {name: rec["total"] for name, rec in record["adapters"].items()}
+    assert record["summary"]["OFTv2 b32 / LoRA r16"]["total"] == pytest.approx(totals["OFTv2 b32"] / totals["LoRA r16"])
+    assert set(record["summary"]) == {"OFTv2 b16 / LoRA r16", "OFTv2 b32 / LoRA r16"}
