@@ -148,3 +148,29 @@ def test_step_flops_quick_run_counts_the_adapters_products_by_hand(tmp_path):
     totals = {name: rec["total"] for name, rec in record["adapters"].items()}
     assert record["summary"]["OFTv2 b32 / LoRA r16"]["total"] == pytest.approx(totals["OFTv2 b32"] / totals["LoRA r16"])
     assert set(record["summary"]) == {"OFTv2 b16 / LoRA r16", "OFTv2 b32 / LoRA r16"}
+
+
+def test_layer_split_runs_the_functions_own_forward_and_backward(tmp_path):
+    from benchmarks.oftv2 import layer_split
+    from peftplug_kernels.cayley_rotate.function import CayleyRotateFunction
+
+    # The stand-in context runs the very computation autograd runs: same output, same gradients.
+    x = torch.randn(8, 64, dtype=torch.float64, requires_grad=True)
+    q_vec = (0.05 * torch.randn(2, 32 * 31 // 2, dtype=torch.float64)).requires_grad_(True)
+    grad = torch.randn(8, 64, dtype=torch.float64)
+    out = CayleyRotateFunction.apply(x, q_vec, 32, 5, None)
+    out.backward(grad)
+    ctx = layer_split._Context()
+    plain = CayleyRotateFunction.forward(ctx, x.detach(), q_vec.detach(), 32, 5, None)
+    grad_x, grad_q = CayleyRotateFunction.backward(ctx, grad)[:2]
+    torch.testing.assert_close(plain, out.detach())
+    torch.testing.assert_close(grad_x, x.grad)
+    torch.testing.assert_close(grad_q, q_vec.grad)
+
+    assert layer_split.main(["--quick", "--label", "t", "--out-dir", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "layer_split_t.json").read_text())
+    assert list(record["depths"]) == ["2", "4"]
+    for rec in record["depths"].values():
+        assert set(rec["us_per_layer"]) == {*layer_split.STACKS, layer_split.BODIES}
+        assert rec["added_over_lora"]["LoRA r16"] == pytest.approx(1.0)
+        assert all(us > 0 for us in rec["us_per_layer"].values())
