@@ -28,14 +28,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common.pages import write_json
-from benchmarks.common.provenance import provenance
 from benchmarks.common.timing import interleaved
 from benchmarks.oftv2.overhead import build, fwd_bwd
-from benchmarks.oftv2.overhead_report import RESULTS
+from benchmarks.oftv2.overhead_report import write_study
 from peftplug_kernels.cayley_rotate.function import CayleyRotateFunction
 
-CODE = ("benchmarks", "peftplug", "oftv2", "peftplug_kernels")
 STACKS = ("base", "LoRA r16", "OFTv2 b32", "OFTv2 b32 stacked")
 BODIES = "OFTv2 Function bodies"
 BLOCK = 32
@@ -151,12 +148,8 @@ def main(argv=None) -> int:
         cells = "; ".join(f"{name} {us:.1f}" for name, us in rec["us_per_layer"].items())
         ratios = "; ".join(f"{name} {r:.3f}" for name, r in rec["added_over_lora"].items())
         print(f"{layers} layers, µs / layer: {cells} | added / LoRA r16's: {ratios}", flush=True)
-    record = {"label": args.label, "settings": {k: getattr(args, k) for k in (
-        "depths", "width", "tokens", "rounds", "steps", "layer_calls", "warmup", "threads", "quick")},
-        "provenance": provenance(CODE), "depths": depths}
-    if args.quick and args.out_dir is None:
-        return 0
-    write_json((args.out_dir or RESULTS) / f"layer_split_{args.label}.json", record)
+    settings = ("depths", "width", "tokens", "rounds", "steps", "layer_calls", "warmup", "threads", "quick")
+    write_study("layer_split", args, settings, {"depths": depths})
     return 0
 
 

@@ -43,6 +43,7 @@ from benchmarks.oftv2.overhead_ops import (
     reset_dynamo_stats,
     top_kernels,
 )
+from benchmarks.oftv2.overhead_report import CODE
 
 #: The unadapted stack first: every adapted method is read against it.
 METHODS = ("base", "OFTv2 b32", "OFTv2 b32 stacked", "LoRA r16", "PEFT OFT b32")
@@ -60,8 +61,6 @@ def methods(extra_blocks: tuple[int, ...] = ()) -> tuple[str, ...]:
     extra = tuple(f"OFTv2 b{b}{stacked}" for b in extra_blocks for stacked in ("", " stacked"))
     return METHODS[:3] + extra + METHODS[3:]
 MODES = ("eager", "compiled")
-#: The code a result depends on (what ``provenance`` checks for uncommitted changes).
-CODE = ("benchmarks", "peftplug", "oftv2", "peftplug_kernels")
 
 
 class _Block(nn.Module):

@@ -24,13 +24,9 @@ from pathlib import Path
 import torch
 from torch.utils import flop_counter
 
-from benchmarks.common.pages import write_json
-from benchmarks.common.provenance import provenance
 from benchmarks.common.timing import lm_train_step
 from benchmarks.oftv2.overhead_llm import ADAPTERS, OTHER_ADAPTERS, adapted_model
-from benchmarks.oftv2.overhead_report import RESULTS
-
-CODE = ("benchmarks", "peftplug", "oftv2", "peftplug_kernels")
+from benchmarks.oftv2.overhead_report import write_study
 
 
 def _cpu_attention(query, key, value, *args, out_shape=None, **kwargs) -> int:
@@ -135,11 +131,8 @@ def main(argv=None) -> int:
         print(f"{adapter}: {rec['total'] / 1e9:.3f} GFLOP a step; by op (GFLOP): {ops}", flush=True)
     for pair, values in ratios.items():
         print(f"{pair}: " + "; ".join(f"{k} = {v:.4f}" for k, v in values.items()), flush=True)
-    record = {"label": args.label, "settings": {k: getattr(args, k) for k in ("adapters", "batch", "seq", "quick")},
-              "provenance": provenance(CODE), "adapters": adapters, "summary": ratios}
-    if args.quick and args.out_dir is None:
-        return 0
-    write_json((args.out_dir or RESULTS) / f"step_flops_{args.label}.json", record)
+    write_study("step_flops", args, ("adapters", "batch", "seq", "quick"),
+                {"adapters": adapters, "summary": ratios})
     return 0
 
 

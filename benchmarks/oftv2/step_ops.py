@@ -25,13 +25,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common.pages import write_json
-from benchmarks.common.provenance import provenance
 from benchmarks.common.timing import lm_train_step
 from benchmarks.oftv2.overhead_llm import ADAPTERS, OTHER_ADAPTERS, adapted_model
-from benchmarks.oftv2.overhead_report import RESULTS
+from benchmarks.oftv2.overhead_report import write_study
 
-CODE = ("benchmarks", "peftplug", "oftv2", "peftplug_kernels")
 #: The ops the page's notes compare: the matrix products (the base model's and the adapters').
 PRODUCTS = ("aten::mm", "aten::bmm", "aten::baddbmm", "aten::addmm")
 
@@ -109,12 +106,8 @@ def main(argv=None) -> int:
     for adapter, rec in adapters.items():
         products = {k: round(v["self_cpu_ms"], 1) for k, v in rec["ops"].items() if k in PRODUCTS}
         print(f"{adapter}: median step {rec['median_step_cpu_s']:.3f} s; products (ms): {products}", flush=True)
-    record = {"label": args.label, "settings": {k: getattr(args, k) for k in (
-        "order", "compiled", "batch", "seq", "warmup", "steps", "threads", "quick")},
-        "provenance": provenance(CODE), "adapters": adapters}
-    if args.quick and args.out_dir is None:
-        return 0
-    write_json((args.out_dir or RESULTS) / f"step_ops_{args.label}.json", record)
+    write_study("step_ops", args, ("order", "compiled", "batch", "seq", "warmup", "steps", "threads", "quick"),
+                {"adapters": adapters})
     return 0
 
 
