@@ -11,7 +11,8 @@ forward (m = 4, the default ``neumann_terms=5``)::
 
     Q = q[:, gather] · sign     index_select and mul with constant tables (the skew matrix, exact)
     A = Q + Q·Q                 baddbmm
-    B = I + Q·Q                 baddbmm       (symmetric: (Q²)ᵀ = (Qᵀ)² = Q²)
+    B = I + Q·Q                 baddbmm       (symmetric: (Q²)ᵀ = (Qᵀ)² = Q²; under torch.compile Q·Q once, then
+                                               both sums in one generated kernel)
     R = I + 2 A·B               baddbmm       (A·B = Q + Q² + Q³ + Q⁴ = S)
     x' = x R                    bmm, written straight into token-major layout (no copy)
 
