@@ -23,7 +23,7 @@ VARIANTS = {"OFTv2 b32": "", "OFTv2 b32 stacked": " (stacked rotations)",
 NOTES = "notes.md"
 #: Labels in the order the page shows them (others follow, alphabetically).
 ORDER = ("baseline", "interim", "final", "final-epyc", "lean", "rbmm", "stacked-bf16", "stacked", "lookups", "blocks",
-         "amx")
+         "amx", "amx-q2once")
 #: The code the study's results depend on (what ``provenance`` checks for uncommitted changes).
 CODE = ("benchmarks", "peftplug", "oftv2", "peftplug_kernels")
 
