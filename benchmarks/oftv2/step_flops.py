@@ -1,14 +1,16 @@
-"""The floating-point work of one SmolLM2-135M training step, op by op: OFTv2 b32 against LoRA r16.
+"""The floating-point work of one SmolLM2-135M training step, op by op: OFTv2 against LoRA r16.
 
-The overhead study's compiled SmolLM2 step ratio OFTv2 / LoRA r16 stays 1–6 % above its ≤ 1.00 target run after run
-(:mod:`benchmarks.oftv2.overhead_llm`), and :mod:`benchmarks.oftv2.step_ops` finds the difference in the adapters'
-matrix products, not in overhead. This tool counts the products' work itself, which does not depend on the machine:
-each adapter's model (``overhead_llm.adapted_model``: every linear layer adapted, batch × seq random tokens, step =
-forward + backward + AdamW) runs one eager step under ``torch.utils.flop_counter.FlopCounterMode``, which counts
-``mm``, ``bmm``, ``baddbmm``, ``addmm`` and attention (its CPU kernel counted by the same formula as the GPU ones:
-the full score matrix, causal masking not discounted). Elementwise work is not counted; on a CPU a step whose
-products take most of its time cannot run faster than its FLOPs allow, so a FLOP ratio above 1.00 bounds what the
-compiled time ratio can reach without OFTv2's products running faster per FLOP than LoRA's.
+The overhead study's compiled SmolLM2 step ratio OFTv2 b32 / LoRA r16 sits around its ≤ 1.00 target, 0.98–1.06
+across runs and machines (:mod:`benchmarks.oftv2.overhead_llm`), and :mod:`benchmarks.oftv2.step_ops` finds the
+difference in the adapters' matrix products, not in overhead. This tool counts the products' work itself, which does
+not depend on the machine: each adapter's model (``overhead_llm.adapted_model``: every linear layer adapted, batch ×
+seq random tokens, step = forward + backward + AdamW; ``--adapters`` picks them, LoRA r16 always among them) runs one
+eager step under ``torch.utils.flop_counter.FlopCounterMode``, which counts ``mm``, ``bmm``, ``baddbmm``, ``addmm``
+and attention (its CPU kernel counted by the same formula as the GPU ones: the full score matrix, causal masking not
+discounted). Elementwise work is not counted. The eager step is what is counted: under ``torch.compile`` OFTv2 forms
+Q² once, one b × b product fewer per layer. On a CPU a step whose products take most of its time cannot run faster
+than its FLOPs allow, so a FLOP ratio above 1.00 bounds what the compiled time ratio can reach unless OFTv2's products
+run faster per FLOP than LoRA's.
 
 Run: ``OMP_NUM_THREADS=1 python -m benchmarks.oftv2.step_flops --label NAME`` writes
 ``benchmarks/oftv2/results/overhead/step_flops_NAME.json``; the overhead page's notes quote it. ``--quick``: a tiny

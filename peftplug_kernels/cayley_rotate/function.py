@@ -11,8 +11,8 @@ forward (m = 4, the default ``neumann_terms=5``)::
 
     Q = q[:, gather] · sign     index_select and mul with constant tables (the skew matrix, exact)
     A = Q + Q·Q                 baddbmm
-    B = I + Q·Q                 baddbmm       (symmetric: (Q²)ᵀ = (Qᵀ)² = Q²; under torch.compile Q·Q once, then
-                                               both sums in one generated kernel)
+    B = I + Q·Q                 baddbmm       (symmetric: (Q²)ᵀ = (Qᵀ)² = Q²; under torch.compile one bmm forms Q·Q
+                                               for both, and the sums fuse into a generated kernel)
     R = I + 2 A·B               baddbmm       (A·B = Q + Q² + Q³ + Q⁴ = S)
     x' = x R                    bmm, written straight into token-major layout (no copy)
 
@@ -225,8 +225,8 @@ def _rotation(q: torch.Tensor, powers: int, keep: torch.Tensor | None) -> tuple[
     (``R = I + 2 A B``): one call, where ``S`` and then ``x + 2 x S`` took a product and a copy more.
 
     ``A`` and ``B`` share ``Q²``. Eager, each is one ``baddbmm`` (2 calls; forming ``Q²`` once would take 3). Under
-    ``torch.compile`` ``Q²`` is formed once and the two sums fuse into one generated kernel: one b × b product fewer
-    per layer and forward, the same number of calls."""
+    ``torch.compile`` ``Q²`` is formed once and Inductor fuses the two sums into a kernel it generates anyway: one
+    b × b product and one call fewer per layer and forward (docs/benchmarks/oftv2_overhead.md, run ``amx-q2once``)."""
     ident = identity(q.shape[-1], q.device, q.dtype)  # broadcasts over the blocks
     if powers == 4:
         if torch.compiler.is_compiling():
