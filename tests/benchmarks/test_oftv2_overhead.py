@@ -58,6 +58,10 @@ def test_quick_run_writes_both_parts_and_the_report_rebuilds_the_page(tmp_path, 
     overhead.main(["--report", "--out-dir", str(out), "--page", str(page)])
     text = page.read_text()
     assert "| `baseline` | `final` |" in text and text.index("## Run `baseline`") < text.index("## Run `final`")
+    # `final` measured no SmolLM2 step: those rows' verdicts come from `baseline`, and say so.
+    assert "| SmolLM2 step, compiled | " in text
+    smollm2_row = next(line for line in text.splitlines() if line.startswith("| SmolLM2 step, compiled |"))
+    assert smollm2_row.endswith("(`baseline`) |") and "met" in smollm2_row
     assert text.index("| OFTv2 / LoRA r16 |") < text.index("written by hand") < text.index("## Run `baseline`")
     page.unlink()
     overhead.main(["--report", "--out-dir", str(out), "--page", str(page)])
