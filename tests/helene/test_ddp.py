@@ -13,7 +13,7 @@ from helene import FZOO, Helene
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = r'''
-import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
 from helene import FZOO, Helene
 
 SPECS = {SPECS_LITERAL}
@@ -22,9 +22,9 @@ def build():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
 
-def worker(rank, world, store, out):
-    # A file store, not a TCP port: a port found free by the parent can be taken before rank 0 binds it.
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+def worker(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
     x, y = x.chunk(world)[rank], y.chunk(world)[rank]
@@ -39,10 +39,13 @@ def worker(rank, world, store, out):
         losses = [opt.step(closure).item() for _ in range(4)]
         torch.save({"params": [p.detach() for p in model.parameters()], "losses": losses}, f"{out}.{name}.{rank}")
     dist.destroy_process_group()
+    # Leave without the interpreter's teardown: there torch 2.13's gloo threads sometimes abort the process
+    # ("terminate called without an active exception", SIGABRT) after everything above has finished and been saved.
+    os._exit(0)
 
 if __name__ == "__main__":
-    store, out = sys.argv[1], sys.argv[2]
-    mp.spawn(worker, args=(2, store, out), nprocs=2, join=True)
+    port, out = int(sys.argv[1]), sys.argv[2]
+    mp.spawn(worker, args=(2, port, out), nprocs=2, join=True)
 '''
 
 
@@ -57,14 +60,18 @@ def gloo_runs(tmp_path_factory) -> str:
     """Both optimizers trained by one pair of gloo processes (one launch: each costs a fresh import of torch);
     returns the prefix of their ``<prefix>.<name>.<rank>`` result files."""
     import os
+    import socket
     import subprocess
     import sys
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     root = tmp_path_factory.mktemp("gloo")
     script = root / "ddp_worker.py"
     specs = ", ".join(f"{name!r}: ({cls.__name__}, {kwargs!r})" for name, (cls, kwargs) in OPTIMIZERS.items())
     script.write_text(WORKER.replace("{SPECS_LITERAL}", "{" + specs + "}"))
-    proc = subprocess.run([sys.executable, str(script), str(root / "store"), str(root / "ddp")], cwd=REPO, timeout=240,
+    proc = subprocess.run([sys.executable, str(script), str(port), str(root / "ddp")], cwd=REPO, timeout=240,
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
     assert proc.returncode == 0, f"gloo workers failed:\n{proc.stdout}\n{proc.stderr}"
     return str(root / "ddp")
