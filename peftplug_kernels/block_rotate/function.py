@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from peftplug_kernels._autocast import autocast_off, autocast_off_backward
 from peftplug_kernels._triton_available import load_kernel_module
 
 
@@ -25,6 +26,7 @@ class BlockRotateFunction(torch.autograd.Function):
     (under ``torch.compile`` the custom op ``torch.ops.peftplug.block_rotate`` runs instead)."""
 
     @staticmethod
+    @autocast_off
     def forward(ctx, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
         kernel = load_kernel_module("block_rotate")
         rotation_c = rotation.contiguous()
@@ -34,6 +36,7 @@ class BlockRotateFunction(torch.autograd.Function):
         return kernel.block_matmul(x2, rotation_c).reshape(x.shape)
 
     @staticmethod
+    @autocast_off_backward
     def backward(ctx, grad_out: torch.Tensor):
         kernel = load_kernel_module("block_rotate")
         x2, rotation = ctx.saved_tensors

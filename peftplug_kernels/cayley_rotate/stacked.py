@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from peftplug_kernels._autocast import autocast_off, autocast_off_backward
 from peftplug_kernels.cayley_neumann.reference import triangle_size
 
 from .function import (
@@ -60,6 +61,7 @@ class StackedRotationFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @autocast_off
     def forward(ctx, block_size, terms, *tensors):
         *q_vecs, keep = tensors
         # Joined first, then cast once: half-precision triangles cost one cast for all layers, not one each.
@@ -72,6 +74,7 @@ class StackedRotationFunction(torch.autograd.Function):
         return r
 
     @staticmethod
+    @autocast_off_backward
     def backward(ctx, grad_r):
         q, keep, *saved = ctx.saved_tensors
         if keep is not None:
@@ -130,6 +133,7 @@ class RotateByFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @autocast_off
     def forward(ctx, x, r):
         n_blocks = x.shape[-1] // r.shape[-1]
         ctx.save_for_backward(x, r)
@@ -137,6 +141,7 @@ class RotateByFunction(torch.autograd.Function):
         return _rotate(_cast(x, r.dtype), r, n_blocks, x.dtype)
 
     @staticmethod
+    @autocast_off_backward
     def backward(ctx, grad_out):
         x, r = ctx.saved_tensors
         g = _cast(grad_out, r.dtype)
@@ -155,7 +160,7 @@ def rotate_by(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     a copy backward, all with C++ backward nodes. The hand-written :class:`RotateByFunction` makes one call fewer
     each way but runs its forward and backward in Python: on the overhead benchmark (8 layers, width 64, eager, fp32)
     a layer took 573 µs with it and 481 µs without (LoRA r16: 399). With ``x`` in another dtype the Function runs, for
-    the memory it saves (see there).
+    the memory it saves (see there), and under autocast.
 
     Args:
         x: ``[..., n_blocks · b]``.
@@ -168,7 +173,8 @@ def rotate_by(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     width = x.shape[-1]
     if r.dim() != 3 or width % block or rows not in (1, width // block):
         raise ValueError(f"rotation {tuple(r.shape)} does not tile input width {width}")
-    if x.dtype != r.dtype:
+    # Under autocast the plain products would run in its dtype: the Function keeps the blocks' (_autocast.py).
+    if x.dtype != r.dtype or torch.is_autocast_enabled(x.device.type):
         return RotateByFunction.apply(x, r)
     if rows == 1:  # one block for the whole width: a single 2-D product
         return torch.mm(x.reshape(-1, block), r[0]).reshape(x.shape)
