@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from helene.zo import ZerothOrderOptimizer, check_lr_wd
+from helene.zo import ZerothOrderOptimizer, check_int
 
 
 def probe_std(losses: list[float]) -> float:
@@ -65,13 +65,10 @@ class FZOO(ZerothOrderOptimizer):
 
     def __init__(self, params, lr: float = 1e-5, eps: float = 1e-3, n_probes: int = 8, weight_decay: float = 0.0,
                  seed: int = 0, master_weights="auto", sync_seed: bool = True, perturbation: str = "rademacher"):
-        if not (isinstance(n_probes, int) and not isinstance(n_probes, bool) and n_probes >= 2):
-            raise ValueError(f"n_probes must be an int >= 2 (the std of one probe loss is 0), got {n_probes!r}")
+        check_int("n_probes (the std of one probe loss is 0)", n_probes, low=2)
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay}, eps=eps, seed=seed,
                          master_weights=master_weights, sync_seed=sync_seed, perturbation=perturbation)
-        for group in self.param_groups:
-            check_lr_wd(group)
-        self.n_probes = n_probes
+        self.n_probes = int(n_probes)
         #: Steps skipped because every probe loss was the same (σ = 0).
         self.skipped_zero_std = 0
         #: σ of the last step's probe losses (nan after a non-finite step).
@@ -86,22 +83,6 @@ class FZOO(ZerothOrderOptimizer):
         return out
 
     # ------------------------------------------------------------------------------------------- probes
-    def _unperturb(self, seed: int) -> None:
-        """Undoes ``_perturb(seed, +1, +1)``: a copy from the masters, or ``θ −= ε u`` in place."""
-        params = [p for _, p in self._trainable()]
-        if all("master" in self.state[p] for p in params):
-            for p in params:
-                p.copy_(self.state[p]["master"])
-            return
-        draw = self._z_stream(seed)  # every tensor draws, so the stream stays aligned with the perturbation
-        for p in params:
-            u = draw(p)
-            master = self.state[p].get("master")
-            if master is None:
-                p.add_(u, alpha=-self.eps)
-            else:
-                p.copy_(master)
-
     def _update(self, seeds: list[int], weights: list[float]) -> None:
         """θ ← θ·(1 − lr·wd) − lr·Σ_i weights_i·u_i, one pass over the parameters per probe."""
         for i, (seed, weight) in enumerate(zip(seeds, weights)):
@@ -130,14 +111,20 @@ class FZOO(ZerothOrderOptimizer):
         """
         if closure is None:
             raise ValueError("zeroth-order optimizers need a closure that returns the batch loss")
+        generator_state = self._seed_gen.get_state()
         seeds = self._draw_seeds(self.n_probes)
         # Every closure call happens whatever the losses are: under DDP each one is a collective.
-        center = self._evaluate(closure)
         losses = []
-        for seed in seeds:
-            self._perturb(seed, +1.0, +1.0)
-            losses.append(self._evaluate(closure))
-            self._unperturb(seed)
+        seed, offsets = seeds[0], [0.0] * self._n_trainable()
+        try:
+            center = self._evaluate(closure)
+            for seed in seeds:
+                self._perturb(seed, +1.0, +1.0, offsets)
+                losses.append(self._evaluate(closure))
+                self._undo(seed, offsets)  # a copy from the masters, else θ −= ε u; zeroes the offsets
+        except BaseException:
+            self._abandon(seed, offsets, generator_state)  # θ back at the probe's start, then re-raised
+            raise
         self.step_count += 1
         if not all(math.isfinite(v) for v in [center, *losses]):
             self.skipped_nonfinite += 1

@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from helene.zo import check_real
+
 GRANULARITIES = ("tensor", "block", "model")
 
 # A transformer block is the prefix up to "<layers|layer|h|blocks|block>.<index>" (Llama/Qwen/OPT "layers",
@@ -75,8 +77,7 @@ def layerwise_param_groups(
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    check_real("weight_decay", weight_decay)
     groups: dict[tuple[str, bool], dict] = {}
     named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
     for name, param in named:
@@ -105,7 +106,4 @@ def _resolve_lam(lam, key: str) -> float:
                      lam.get("default", 1.0))
     else:
         value = lam
-    value = float(value)
-    if not value >= 0:
-        raise ValueError(f"lam (clipping floor λ) must be >= 0, got {value!r} for layer {key!r}")
-    return value
+    return check_real(f"lam (clipping floor λ) of layer {key!r}", value)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 
 import torch
 
 from helene.estimators import get_estimator
-from helene.zo import ZerothOrderOptimizer, check_lr_wd, is_dtensor
+from helene.groups import GRANULARITIES, layerwise_param_groups
+from helene.zo import ZerothOrderOptimizer, check_betas, check_int, check_real, is_dtensor
 
 CLIP_MODES = ("layer", "coordinate", "none")
 #: What divides HELENE's momentum: the EMA of a diagonal Hessian estimate (the paper), or one scale-free scalar.
@@ -21,9 +23,9 @@ _AUTO_HORIZON_FRACTION = 0.1  # anneal_horizon="auto": T = 10% of the run's tota
 _FALLBACK_HORIZON = 1000.0
 
 
-def _check_betas(betas) -> None:
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
-        raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
+def _as_pair(betas):
+    """``betas`` as a tuple when it is a sequence; anything else is left for :func:`check_betas` to refuse."""
+    return tuple(betas) if isinstance(betas, (tuple, list)) else betas
 
 
 class ZOSGD(ZerothOrderOptimizer):
@@ -44,8 +46,6 @@ class ZOSGD(ZerothOrderOptimizer):
                  master_weights="auto", sync_seed: bool = True, perturbation: str = "gaussian"):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay}, eps=eps, seed=seed,
                          master_weights=master_weights, sync_seed=sync_seed, perturbation=perturbation)
-        for group in self.param_groups:
-            check_lr_wd(group)
 
     def _apply_update(self, seed, projected, loss_plus, loss_minus, center):
         for group, _, w, z in self._restored(seed):
@@ -74,15 +74,20 @@ class ZOAdam(ZerothOrderOptimizer):
     def __init__(self, params, lr: float = 1e-4, eps: float = 1e-3, betas=(0.9, 0.999), adam_eps: float = 1e-8,
                  weight_decay: float = 0.0, seed: int = 0, master_weights="auto", sync_seed: bool = True,
                  perturbation: str = "gaussian"):
-        _check_betas(betas)
-        if not adam_eps > 0:
-            raise ValueError(f"adam_eps must be > 0, got {adam_eps!r}")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "adam_eps": adam_eps, "weight_decay": weight_decay},
+        super().__init__(params, {"lr": lr, "betas": _as_pair(betas), "adam_eps": adam_eps,
+                                  "weight_decay": weight_decay},
                          eps=eps, seed=seed, master_weights=master_weights, sync_seed=sync_seed,
                          perturbation=perturbation)
-        for group in self.param_groups:
-            check_lr_wd(group)
-            _check_betas(group["betas"])
+
+    def _check_group(self, group: dict) -> None:
+        """Adds Adam's ``betas`` and ``adam_eps`` to the base checks.
+
+        Args:
+            group: A param group, or the defaults.
+        """
+        super()._check_group(group)
+        check_betas(group["betas"])
+        check_real("adam_eps", group["adam_eps"], low_open=True)
 
     def _apply_update(self, seed, projected, loss_plus, loss_minus, center):
         t = self.update_count + 1
@@ -103,25 +108,45 @@ class ZOAdam(ZerothOrderOptimizer):
             w.addcdiv_(m, denom, value=-lr / (1.0 - b1**t))
 
 
-def _regroup(params, granularity: str, lam, weight_decay: float) -> list[dict]:
-    """Per-layer param groups from parameters given with or without names."""
-    from helene.groups import layerwise_param_groups
+#: Keys of a given group that name or locate its parameters rather than set an option of its own.
+_GROUP_LAYOUT_KEYS = ("params", "param_names", "names", "layer")
 
+
+def _regroup(params, granularity: str, lam, weight_decay: float) -> list[dict]:
+    """Per-layer param groups from parameters given with or without names, each group's options kept.
+
+    Each given param group is split into layers on its own, so every option it sets (``lr``, ``betas``,
+    ``gamma``, ``lam``, ``weight_decay``, ...) carries over to the layer groups derived from it; what it leaves
+    out comes from the optimizer's defaults as usual. Biases, norms and 1-d tensors still get weight decay 0.
+    """
     params = list(params)
-    named: list[tuple[str, torch.Tensor]] = []
-    for i, item in enumerate(params):
-        if isinstance(item, dict):
-            names = item.get("param_names") or [None] * len(item["params"])
-            named += [(n or f"param{i}.{j}", p) for j, (n, p) in enumerate(zip(names, item["params"]))]
-            if granularity != "tensor" and not item.get("param_names"):
+    plain = not params or not isinstance(params[0], dict)
+    if plain:
+        given = [{"params": params}]  # plain parameters or (name, parameter) pairs: one group, no options
+    elif all(isinstance(item, dict) for item in params):
+        given = params
+    else:
+        raise ValueError("params must be all param groups (dicts) or all parameters, not a mix")
+    groups: list[dict] = []
+    for i, item in enumerate(given):
+        members = item["params"]
+        members = [members] if isinstance(members, torch.Tensor) else list(members)
+        # torch's "param_names", or "names" from helene.groups.layerwise_param_groups
+        names = item.get("param_names") or item.get("names") or [None] * len(members)
+        named: list[tuple[str, torch.Tensor]] = []
+        for j, (name, member) in enumerate(zip(names, members)):
+            if isinstance(member, tuple):
+                name, member = member
+            if name is None and granularity != "tensor":
                 raise ValueError(f"layerwise={granularity!r} needs parameter names; pass named_parameters()")
-        elif isinstance(item, tuple):
-            named.append(item)
-        else:
-            if granularity != "tensor":
-                raise ValueError(f"layerwise={granularity!r} needs parameter names; pass named_parameters()")
-            named.append((f"param{i}", item))
-    groups = layerwise_param_groups(named, granularity, lam=lam, weight_decay=weight_decay)
+            named.append((name or (f"param{j}" if plain else f"param{i}.{j}"), member))
+        if not any(p.requires_grad for _, p in named):
+            continue  # a wholly frozen group: nothing to optimize in it, as without layerwise
+        options = {k: v for k, v in item.items() if k not in _GROUP_LAYOUT_KEYS}
+        groups += layerwise_param_groups(named, granularity, lam=options.pop("lam", lam),
+                                         weight_decay=options.pop("weight_decay", weight_decay), **options)
+    if not groups:
+        raise ValueError("the model has no parameter with requires_grad=True: nothing to optimize")
     for g in groups:
         g["param_names"] = g.pop("names")  # torch's own key, so state_dict keeps the names
     return groups
@@ -155,13 +180,15 @@ class Helene(ZerothOrderOptimizer):
     Args:
         params: Parameters or param groups; a group may override ``lr``, ``betas``, ``gamma``, ``lam``
             (its clipping floor λ) and ``weight_decay`` — :func:`helene.groups.layerwise_param_groups` builds
-            one group per layer.
+            one group per layer. Groups added later by ``add_param_group`` are used as given (not regrouped).
         lr: Learning rate.
         eps: Perturbation scale ε.
         betas: (β1, β2): momentum and Hessian EMA decays, each in [0, 1).
         gamma: Scale γ > 0 of the preconditioner.
         lam: Default clipping floor λ >= 0 (per group through ``lam``); with ``layerwise`` also a mapping from a
-            regular expression on the layer name to λ (see :func:`helene.groups.layerwise_param_groups`).
+            regular expression on the layer name to λ, or a function of it (see
+            :func:`helene.groups.layerwise_param_groups`); groups added later then default to the mapping's
+            ``"default"`` (1.0 for a function).
         weight_decay: Decoupled weight decay.
         hessian_interval: Refresh the Hessian EMA every ``k`` >= 1 steps (the first step always refreshes). The
             scalar preconditioners refresh every step (c² costs nothing).
@@ -179,8 +206,10 @@ class Helene(ZerothOrderOptimizer):
             makes the early preconditioner larger, not smaller). The momentum is not corrected: α_0 = 1 already
             makes m_1 = g_1 when ``anneal=True``.
         batch_size: Batch size B scaling the A-GNB estimate (``B·ĝ⊙ĝ``).
-        layerwise: ``None`` (use ``params`` as given) or a granularity, ``"tensor"`` or ``"block"``: regroup the
-            parameters per layer with their λ and weight decay off for biases and norms. Needs parameter names
+        layerwise: ``None`` (use ``params`` as given) or a granularity, ``"tensor"``, ``"block"`` or ``"model"``:
+            regroup the parameters per layer with their λ and weight decay off for biases and norms. Each given
+            param group is split on its own and its options (``lr``, ``betas``, ``gamma``, ``lam``,
+            ``weight_decay``, ...) carry over to its layer groups. Needs parameter names
             (``model.named_parameters()`` or torch's named param groups) except for ``"tensor"``.
         seed: Seed of the private generator of per-step seeds.
         master_weights: See :class:`helene.zo.ZerothOrderOptimizer`.
@@ -197,18 +226,26 @@ class Helene(ZerothOrderOptimizer):
                  sync_seed: bool = True, perturbation: str = "gaussian", preconditioner: str | None = None,
                  bias_correction: bool = False):
         if layerwise is not None:
+            if layerwise not in GRANULARITIES:
+                raise ValueError(f"layerwise must be None or one of {GRANULARITIES}, got {layerwise!r}")
             params = _regroup(params, layerwise, lam, weight_decay)
-            lam = lam.get("default", 1.0) if isinstance(lam, dict) else lam
+            # The default λ of groups added later (add_param_group): the mapping's "default", as for an unmatched
+            # layer, and 1.0 for a function, which needs a layer name to answer.
+            if isinstance(lam, Mapping):
+                lam = lam.get("default", 1.0)
+            elif callable(lam):
+                lam = 1.0
         if clip not in CLIP_MODES:
             raise ValueError(f"clip must be one of {CLIP_MODES}, got {clip!r}")
-        if not (isinstance(hessian_interval, int) and hessian_interval >= 1):
-            raise ValueError(f"hessian_interval must be an int >= 1, got {hessian_interval!r}")
-        if not (anneal_horizon == "auto" or (isinstance(anneal_horizon, (int, float)) and anneal_horizon > 0)):
-            raise ValueError(f"anneal_horizon must be 'auto' or a number > 0, got {anneal_horizon!r}")
-        if not (isinstance(batch_size, int) and batch_size >= 1):
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if not rho > 0:
-            raise ValueError(f"rho must be > 0, got {rho!r}")
+        check_int("hessian_interval", hessian_interval, low=1)
+        if not (isinstance(anneal_horizon, str) and anneal_horizon == "auto"):
+            try:
+                check_real("anneal_horizon", anneal_horizon, low_open=True)
+            except ValueError:
+                raise ValueError(f"anneal_horizon must be 'auto' or a finite float > 0, "
+                                 f"got {anneal_horizon!r}") from None
+        check_int("batch_size", batch_size, low=1)
+        check_real("rho", rho, low_open=True)
         if preconditioner is None:
             # An estimator names the paper's preconditioner; without one the default is the scalar one, which beat
             # the paper's reading on both seeds of the SmolLM2 SST-2 comparison (docs/helene.md, "Defaults").
@@ -225,27 +262,46 @@ class Helene(ZerothOrderOptimizer):
             raise ValueError(f"hessian={hessian!r} needs a Gaussian perturbation (it weighs z⊙z − 1, which is 0 for "
                              "every Rademacher z); use perturbation='gaussian' or hessian in "
                              "('agnb', 'agnb_layer', 'none')")
-        defaults = {"lr": lr, "betas": tuple(betas), "gamma": gamma, "lam": lam, "weight_decay": weight_decay}
+        #: EMA of c²: one per param group ("scalar", an entry added with each group), or one for all
+        #: ("scalar_global"); set before torch's __init__, whose add_param_group calls extend it.
+        self.second_moment: list[float] = [0.0] if preconditioner == "scalar_global" else []
+        defaults = {"lr": lr, "betas": _as_pair(betas), "gamma": gamma, "lam": lam, "weight_decay": weight_decay}
         super().__init__(params, defaults, eps=eps, seed=seed, master_weights=master_weights, sync_seed=sync_seed,
                          perturbation=perturbation)
-        for group in self.param_groups:
-            check_lr_wd(group)
-            _check_betas(group["betas"])
-            if not group["gamma"] > 0:
-                raise ValueError(f"gamma must be > 0, got {group['gamma']!r}")
-            if not group["lam"] >= 0:
-                raise ValueError(f"lam (clipping floor λ) must be >= 0, got {group['lam']!r}")
-        self.hessian_interval = hessian_interval
+        self.hessian_interval = int(hessian_interval)
         self.anneal = bool(anneal)
         self.anneal_horizon = anneal_horizon
         self.clip = clip
         self.rho = float(rho)
-        self.batch_size = batch_size
+        self.batch_size = int(batch_size)
         self.total_steps: int | None = None
         self._warned_horizon = False
-        #: EMA of c²: one per param group ("scalar"), or one for all (the single entry, "scalar_global").
-        n_moments = len(self.param_groups) if preconditioner == "scalar" else 1
-        self.second_moment: list[float] = [0.0] * n_moments if preconditioner != "hessian" else []
+
+    def _check_group(self, group: dict) -> None:
+        """Adds ``betas``, ``gamma`` and ``lam`` to the base checks.
+
+        Args:
+            group: A param group, or the defaults.
+        """
+        super()._check_group(group)
+        check_betas(group["betas"])
+        check_real("gamma", group["gamma"], low_open=True)
+        lam = group["lam"]
+        if isinstance(lam, Mapping) or callable(lam):
+            # ValueError like every other bad option (TRY004 would want TypeError): callers catch one type.
+            raise ValueError(  # noqa: TRY004
+                f"lam (clipping floor λ) must be a finite float >= 0, got {lam!r}: a mapping or function of "
+                "layer names needs layerwise='tensor' or 'block'")
+        check_real("lam (clipping floor λ)", lam)
+
+    def _group_added(self, group: dict) -> None:
+        """Gives a new group its own scalar second moment (``preconditioner="scalar"``), starting from 0.
+
+        Args:
+            group: The group just appended to ``param_groups``.
+        """
+        if self.preconditioner == "scalar":
+            self.second_moment.append(0.0)
 
     def set_total_steps(self, total_steps: int) -> None:
         """Tells the optimizer the run's length, which ``anneal_horizon="auto"`` derives T from.
@@ -253,9 +309,7 @@ class Helene(ZerothOrderOptimizer):
         Args:
             total_steps: Number of optimizer steps the run will take (e.g. ``trainer.estimated_stepping_batches``).
         """
-        if not (isinstance(total_steps, int) and total_steps >= 1):
-            raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
-        self.total_steps = total_steps
+        self.total_steps = check_int("total_steps", total_steps, low=1)
 
     def horizon(self) -> float:
         """The annealing horizon T in effect."""

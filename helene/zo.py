@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import numbers
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -79,16 +80,73 @@ def rademacher(shape: torch.Size, generator: torch.Generator, device: torch.devi
     return signs.view(-1)[:numel].view(shape)
 
 
+def _range_text(low: float, high: float, low_open: bool, high_open: bool) -> str:
+    if math.isinf(high):
+        return f"{'>' if low_open else '>='} {low:g}"
+    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
+def check_real(name: str, value: Any, low: float = 0.0, high: float = math.inf, *, low_open: bool = False,
+               high_open: bool = True) -> float:
+    """Raises ValueError unless ``value`` is a finite real number (not a bool) in the given range.
+
+    One message for every numeric option, naming the field and the accepted range, so that a wrong type or an
+    infinite value fails at construction instead of as a TypeError or a non-finite parameter steps later.
+
+    Args:
+        name: The field's name, as the message shows it.
+        value: The value to check.
+        low: Lower bound of the accepted range.
+        high: Upper bound (``inf``: none).
+        low_open: Whether ``low`` itself is excluded.
+        high_open: Whether ``high`` itself is excluded (ignored when ``high`` is ``inf``).
+
+    Returns:
+        ``value`` as a float.
+    """
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        raise ValueError(f"{name} must be a finite float {_range_text(low, high, low_open, high_open)}, "
+                         f"got {value!r}")
+    return float(value)
+
+
+def check_int(name: str, value: Any, low: int) -> int:
+    """Raises ValueError unless ``value`` is an int (not a bool) >= ``low``.
+
+    Args:
+        name: The field's name, as the message shows it.
+        value: The value to check.
+        low: Smallest accepted value.
+    """
+    if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low):
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def check_betas(betas: Any) -> None:
+    """Raises ValueError unless ``betas`` is a pair of finite floats in [0, 1).
+
+    Args:
+        betas: The group's ``betas``.
+    """
+    def ok(b: Any) -> bool:
+        return isinstance(b, numbers.Real) and not isinstance(b, bool) and 0.0 <= b < 1.0
+
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(ok(b) for b in betas)):
+        raise ValueError(f"betas must be two finite floats in [0, 1), got {betas!r}")
+
+
 def check_lr_wd(group: dict) -> None:
     """Raises ValueError unless the param group's ``lr`` and ``weight_decay`` are finite floats >= 0.
 
     Args:
         group: A param group with ``lr`` and ``weight_decay``.
     """
-    if not (isinstance(group["lr"], (int, float)) and group["lr"] >= 0 and math.isfinite(group["lr"])):
-        raise ValueError(f"lr must be a finite float >= 0, got {group['lr']!r}")
-    if not (isinstance(group["weight_decay"], (int, float)) and group["weight_decay"] >= 0):
-        raise ValueError(f"weight_decay must be a float >= 0, got {group['weight_decay']!r}")
+    check_real("lr", group["lr"])
+    check_real("weight_decay", group["weight_decay"])
 
 
 def _dist_initialized() -> bool:
@@ -100,7 +158,12 @@ class ZerothOrderOptimizer(Optimizer):
 
     ``step(closure)`` calls ``closure()`` (which must return the scalar batch loss and must not call
     ``backward``) two times per step (three on steps where the update rule needs the unperturbed loss), under
-    ``torch.no_grad()``. It returns the step's loss ``(L+ + L−)/2`` as a 0-dim fp32 tensor.
+    ``torch.no_grad()``. It returns the step's loss ``(L+ + L−)/2`` as a 0-dim fp32 tensor. If the closure raises
+    (OOM, a data error, Ctrl-C), θ is put back as a skipped non-finite step would leave it (bit for bit; exactly
+    θ with master weights) and the seed generator rewound before the exception propagates.
+
+    ``add_param_group`` works as at construction: the group's options are validated (same ValueErrors), masters
+    are made for its parameters and per-group state (HELENE's scalar second moment) starts at 0.
 
     Args:
         params: Parameters or parameter groups (see :func:`helene.groups.layerwise_param_groups`). Parameters
@@ -111,8 +174,9 @@ class ZerothOrderOptimizer(Optimizer):
         seed: Seed of the private generator that draws one perturbation seed per step. The global torch RNG is
             never touched (it would clobber data-loader shuffling).
         master_weights: ``"auto"`` keeps fp32 master copies for fp16/bf16 parameters only; ``True`` keeps them
-            for every parameter (bit-exact restore, +4 bytes per parameter); ``False`` perturbs in place and
-            raises for fp16/bf16 parameters, whose in-place restore would be silently inexact.
+            for every parameter (bit-exact restore, +4 bytes per parameter; fp64 copies of fp64 parameters, since
+            a master never lowers precision); ``False`` perturbs in place and raises for fp16/bf16 parameters,
+            whose in-place restore would be silently inexact.
         sync_seed: Under ``torch.distributed`` broadcast each step's seed from rank 0, so every rank perturbs
             along the same ``z`` even if the optimizers were built with different seeds.
         perturbation: Distribution of ``z``: ``"gaussian"`` (MeZO's N(0, I)) or ``"rademacher"`` (±1, cheaper to
@@ -124,17 +188,20 @@ class ZerothOrderOptimizer(Optimizer):
 
     def __init__(self, params, defaults: dict, *, eps: float, seed: int, master_weights: Any = "auto",
                  sync_seed: bool = True, perturbation: str = "gaussian"):
-        if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
-            raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
+        check_real("eps", eps, low_open=True)
+        check_int("seed", seed, low=-(2**63))
         if master_weights not in _MASTER_CHOICES:
             raise ValueError(f"master_weights must be one of {_MASTER_CHOICES}, got {master_weights!r}")
         if perturbation not in PERTURBATIONS:
             raise ValueError(f"perturbation must be one of {PERTURBATIONS}, got {perturbation!r}")
-        super().__init__(params, defaults)
+        # The defaults too: a group added later (add_param_group) takes every option it does not set from them.
+        self._check_group(defaults)
+        # add_param_group reads these; torch's __init__ calls it once per given group.
         self.perturbation = perturbation
         self.eps = float(eps)
-        self.seed = int(seed)
         self.master_weights = master_weights
+        super().__init__(params, defaults)
+        self.seed = int(seed)
         self.sync_seed = bool(sync_seed)
         self._seed_gen = torch.Generator(device="cpu")
         self._seed_gen.manual_seed(self.seed)
@@ -147,9 +214,43 @@ class ZerothOrderOptimizer(Optimizer):
         self.forward_passes = 0
         #: The last step's projected gradient c = (L+ − L−)/2ε (nan after a skipped step).
         self.last_projected_grad = float("nan")
-        self._init_masters()
 
     # ----------------------------------------------------------------------------------------- parameters
+    def _check_group(self, group: dict) -> None:
+        """Raises ValueError unless the group's options are valid (subclasses add theirs).
+
+        Reads nothing but ``group``: it also checks the defaults before torch's ``__init__`` has run.
+
+        Args:
+            group: A param group, or the defaults.
+        """
+        check_lr_wd(group)
+
+    def _group_added(self, group: dict) -> None:
+        """Hook for per-group state kept outside ``self.state`` (called once per group, after validation).
+
+        Args:
+            group: The group just appended to ``param_groups``.
+        """
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Adds a param group as at construction: options validated, masters made, per-group state added.
+
+        Args:
+            param_group: ``{"params": ..., **options}``; options it leaves out are taken from the defaults.
+        """
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._check_group(group)
+            self._check_dtypes(group)
+        except Exception:
+            # torch appended the group before any of our checks could run: leave the optimizer as it was.
+            self.param_groups.pop()
+            raise
+        self._init_masters(group)
+        self._group_added(group)
+
     def _trainable(self) -> Iterator[tuple[dict, torch.Tensor]]:
         """(group, param) for every trainable parameter, in a fixed order (z is drawn in this order)."""
         for group in self.param_groups:
@@ -157,17 +258,26 @@ class ZerothOrderOptimizer(Optimizer):
                 if p.requires_grad:
                     yield group, p
 
-    def _init_masters(self) -> None:
-        for _, p in self._trainable():
+    def _wants_master(self, p: torch.Tensor) -> bool:
+        return self.master_weights is True or (self.master_weights == "auto" and p.dtype in _HALF)
+
+    def _check_dtypes(self, group: dict) -> None:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
             if not p.is_floating_point():
                 raise ValueError(f"zeroth-order optimizers need floating-point parameters, got {p.dtype}")
-            wants = self.master_weights is True or (self.master_weights == "auto" and p.dtype in _HALF)
-            if p.dtype in _HALF and not wants:
+            if p.dtype in _HALF and not self._wants_master(p):
                 raise ValueError(
                     f"a {p.dtype} parameter of shape {tuple(p.shape)} cannot be perturbed and restored exactly "
                     "in place; pass master_weights='auto' or True (fp32 master copies), or train in fp32")
-            if wants and "master" not in self.state[p]:
-                self.state[p]["master"] = p.detach().to(torch.float32, copy=True)
+
+    def _init_masters(self, group: dict) -> None:
+        for p in group["params"]:
+            if p.requires_grad and self._wants_master(p) and "master" not in self.state[p]:
+                # fp32 for fp16/bf16/fp32 parameters, fp64 for fp64 ones: a master must never lower precision.
+                dtype = torch.promote_types(p.dtype, torch.float32)
+                self.state[p]["master"] = p.detach().to(dtype, copy=True)
 
     def counters(self) -> dict[str, float]:
         """Numbers worth logging: steps, applied updates, skipped non-finite steps, closure calls (forward passes),
@@ -227,16 +337,50 @@ class ZerothOrderOptimizer(Optimizer):
 
         return draw
 
-    def _perturb(self, seed: int, scale: float, absolute: float) -> None:
-        """Moves parameters along z: in place by ``scale·ε·z``, or to ``master + absolute·ε·z`` with masters."""
+    def _perturb(self, seed: int, scale: float, absolute: float, offsets: list[float] | None = None) -> None:
+        """Moves parameters along z: in place by ``scale·ε·z``, or to ``master + absolute·ε·z`` with masters.
+
+        ``offsets[i]`` (when given) becomes ``absolute`` as soon as tensor ``i`` has moved, so that
+        :meth:`_undo` can put back exactly the tensors moved so far if something raises mid-way.
+        """
         draw = self._z_stream(seed)
-        for _, p in self._trainable():
+        for i, (_, p) in enumerate(self._trainable()):
             z = draw(p)
             master = self.state[p].get("master")
             if master is None:
                 p.add_(z, alpha=scale * self.eps)
             else:
                 p.copy_(master.add(z, alpha=absolute * self.eps))
+            if offsets is not None:
+                offsets[i] = absolute
+
+    def _undo(self, seed: int, offsets: list[float]) -> None:
+        """Puts each parameter back from ``θ + offsets[i]·ε·z``: a copy of its master (bit-exact), else in place.
+
+        The in-place arithmetic is the one of a normal restore (``θ −= offset·ε·z`` with the same z), so a
+        parameter comes back exactly as a step skipped for a non-finite loss would leave it. Each offset is
+        zeroed once its tensor is back, so an undo interrupted part-way can be finished by calling it again.
+        """
+        params = [p for _, p in self._trainable()]
+        if all("master" in self.state[p] for p in params):
+            for p in params:
+                p.copy_(self.state[p]["master"])
+            offsets[:] = [0.0] * len(offsets)
+            return
+        if not any(offsets):
+            return
+        draw = self._z_stream(seed)  # every tensor draws, so the stream stays aligned with the perturbation
+        for i, p in enumerate(params):
+            z = draw(p)
+            master = self.state[p].get("master")
+            if master is not None:
+                p.copy_(master)
+            elif offsets[i]:
+                p.add_(z, alpha=-offsets[i] * self.eps)
+            offsets[i] = 0.0
+
+    def _n_trainable(self) -> int:
+        return sum(1 for _ in self._trainable())
 
     def _restored(self, seed: int) -> Iterator[tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Restores each parameter from θ − εz and yields ``(group, param, weights, z)``.
@@ -284,12 +428,18 @@ class ZerothOrderOptimizer(Optimizer):
         """
         if closure is None:
             raise ValueError("zeroth-order optimizers need a closure that returns the batch loss")
+        generator_state = self._seed_gen.get_state()
         seed = self._draw_seed()
-        center = self._evaluate(closure) if self._needs_center_loss() else None
-        self._perturb(seed, +1.0, +1.0)
-        loss_plus = self._evaluate(closure)
-        self._perturb(seed, -2.0, -1.0)
-        loss_minus = self._evaluate(closure)
+        offsets = [0.0] * self._n_trainable()
+        try:
+            center = self._evaluate(closure) if self._needs_center_loss() else None
+            self._perturb(seed, +1.0, +1.0, offsets)
+            loss_plus = self._evaluate(closure)
+            self._perturb(seed, -2.0, -1.0, offsets)
+            loss_minus = self._evaluate(closure)
+        except BaseException:
+            self._abandon(seed, offsets, generator_state)
+            raise
         self.step_count += 1
         losses = [loss_plus, loss_minus] + ([center] if center is not None else [])
         if not all(math.isfinite(v) for v in losses):
@@ -308,6 +458,16 @@ class ZerothOrderOptimizer(Optimizer):
     def _apply_update(self, seed: int, projected: float, loss_plus: float, loss_minus: float,
                       center: float | None) -> None:
         raise NotImplementedError
+
+    def _abandon(self, seed: int, offsets: list[float], generator_state: torch.Tensor) -> None:
+        """Undoes a step the closure raised in (OOM, a data error, Ctrl-C) before the exception propagates.
+
+        θ comes back as a skipped non-finite step leaves it (bit for bit), and the seed generator is rewound, so
+        that retrying the batch takes the step the uninterrupted run would have taken. Only ``forward_passes``
+        keeps the calls made.
+        """
+        self._undo(seed, offsets)
+        self._seed_gen.set_state(generator_state)
 
     # -------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
