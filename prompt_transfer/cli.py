@@ -143,6 +143,68 @@ def train_sources(recipe: Mapping, out_dir: str | None = None, decompose: bool =
     return summary
 
 
+def default_source_names(adapters: list[str]) -> list[str]:
+    """Distinct source names for adapter folders given without ``--names``.
+
+    A folder's name is its own directory name when no other folder shares it. Folders that share it (the usual
+    ``runs/src_sst2/adapter runs/src_bbc/adapter`` layout) are named by the nearest parent component that tells
+    them apart (``src_sst2``, ``src_bbc``); if those short names still clash with another source's name, by the
+    whole distinguishing path suffix (``src_sst2/adapter``). Names key the decomposition's sources, so two
+    folders must never end up under one name.
+
+    Args:
+        adapters: The adapter folders, in command-line order.
+
+    Returns:
+        One distinct name per folder.
+
+    Raises:
+        ValueError: If the folders cannot be told apart by their paths (one folder given twice).
+    """
+    # Absolute paths: '.' or 'runs/../x' still yield real directory names.
+    parts = [os.path.abspath(p).strip(os.sep).split(os.sep) for p in adapters]
+
+    def depth(i: int) -> int:  # components of the shortest path suffix no other folder ends with
+        for n in range(1, len(parts[i]) + 1):
+            if all(parts[j][-n:] != parts[i][-n:] for j in range(len(parts)) if j != i):
+                return n
+        return len(parts[i])
+
+    depths = [depth(i) for i in range(len(parts))]
+    short = [parts[i][-n] for i, n in enumerate(depths)]
+    if len(set(short)) == len(short):
+        return short
+    full = ["/".join(parts[i][-n:]) for i, n in enumerate(depths)]
+    if len(set(full)) != len(full):
+        raise ValueError("the adapter folders cannot be told apart by their paths; name the sources with --names")
+    return full
+
+
+def check_sources(adapters: list[str], names: list[str] | None) -> None:
+    """Refuses a folder or a name given to two sources (a decomposition keys its sources by name: one would be
+    lost; one prompt twice would only count that source double).
+
+    Args:
+        adapters: The adapter folders.
+        names: The ``--names`` values, or ``None``.
+
+    Raises:
+        ValueError: Naming the first duplicate.
+    """
+    seen: dict[str, str] = {}
+    for path in adapters:
+        real = os.path.realpath(path)
+        if real in seen:
+            raise ValueError(f"adapter folder {path!r} is given twice (also as {seen[real]!r}); "
+                             "give each source once")
+        seen[real] = path
+    names = names or []
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ValueError(f"--names: {name!r} is given to sources {names.index(name) + 1} and {i + 1}; "
+                             "each source needs its own name")
+
+
 PROG = "peftplug pct"  # also runs as python -m prompt_transfer.cli
 
 
@@ -194,7 +256,8 @@ def _run(argv: list[str]) -> int:
     t.add_argument("--no-decompose", action="store_true", help="skip the recipe's decompose section")
     d = sub.add_parser("decompose", help="SVD + contrastive decomposition of saved source prompt adapters")
     d.add_argument("adapters", nargs="+", help="PEFT prompt-tuning adapter directories, one per source task")
-    d.add_argument("--names", nargs="+", help="source task names (default: the directory names)")
+    d.add_argument("--names", nargs="+", help="distinct source task names, one per adapter (default: the directory "
+                   "names; where two are alike, the parent folders that tell them apart)")
     d.add_argument("--out", required=True)
     group = d.add_mutually_exclusive_group()
     group.add_argument("--rank", type=int)
@@ -219,11 +282,13 @@ def _run(argv: list[str]) -> int:
         summary = train_sources(recipe, out_dir=args.out_dir, decompose=not args.no_decompose)
         print(json.dumps(summary))
     elif args.command == "decompose":
-        import os
-
-        names = args.names or [os.path.basename(os.path.normpath(p)) for p in args.adapters]
-        if len(names) != len(args.adapters):
-            parser.error(f"--names has {len(names)} names for {len(args.adapters)} adapters")
+        if args.names and len(args.names) != len(args.adapters):
+            parser.error(f"--names has {len(args.names)} names for {len(args.adapters)} adapters")
+        try:  # a name shared by two sources would silently keep only one of them
+            check_sources(args.adapters, args.names)
+            names = args.names or default_source_names(args.adapters)
+        except ValueError as err:
+            parser.error(str(err))
         prompts = _load_source_prompts(names, args.adapters)
         try:  # decompose checks its arguments and the prompts' shapes before computing anything
             base_model = pt.source_base_model(dict(zip(names, args.adapters)))

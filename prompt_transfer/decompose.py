@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -155,10 +156,68 @@ def choose_rank(singular_values: torch.Tensor, explained_variance: float) -> int
     Args:
         singular_values: Descending singular values.
         explained_variance: Target share in ``(0, 1]``.
+
+    Returns:
+        A rank in ``[1, len(singular_values)]``.
     """
     energy = singular_values.double() ** 2
-    share = torch.cumsum(energy, 0) / energy.sum().clamp_min(1e-300)
-    return int(torch.searchsorted(share, torch.tensor(explained_variance - 1e-12, dtype=share.dtype)).item()) + 1
+    total = energy.sum()
+    if total <= 0:
+        # All-zero prompts: rank 1 already reconstructs them exactly (the shares would all be 0, and the search
+        # below would run past the last singular value).
+        return 1
+    share = torch.cumsum(energy, 0) / total
+    found = int(torch.searchsorted(share, torch.tensor(explained_variance - 1e-12, dtype=share.dtype)).item()) + 1
+    return min(found, len(singular_values))  # rounding can leave the last share a hair below the target
+
+
+def _is_number(value) -> bool:
+    # bool is an int subclass, but `rank: true` in a recipe is a mistake, not rank 1.
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_decompose_settings(
+    num_sources: int,
+    rank: int | None = None,
+    explained_variance: float | None = None,
+    contrastive_weight: float = 0.1,
+    contrastive_steps: int = 200,
+    contrastive_temperature: float = 0.5,
+    field_prefix: str = "",
+) -> None:
+    """Checks :func:`decompose`'s settings for ``num_sources`` prompts; the one set of rules for every caller.
+
+    :func:`decompose` runs it on its arguments and the ``train-sources`` recipe check runs it on the recipe's
+    ``decompose`` section before the first source trains, so a value is refused up front exactly when
+    :func:`decompose` would refuse it after every source has trained.
+
+    Args:
+        num_sources: Number of source prompts ``K`` (the upper bound of ``rank``).
+        rank: As for :func:`decompose`.
+        explained_variance: As for :func:`decompose`.
+        contrastive_weight: As for :func:`decompose`.
+        contrastive_steps: As for :func:`decompose`.
+        contrastive_temperature: As for :func:`decompose`.
+        field_prefix: Put before each field name in messages (``"decompose."`` for a recipe section).
+
+    Raises:
+        ValueError: Naming the first bad field, its accepted range and the value given.
+    """
+    p = field_prefix
+    if rank is not None and explained_variance is not None:
+        raise ValueError(f"give {p}rank or {p}explained_variance, not both")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= num_sources):
+        raise ValueError(f"{p}rank must be an int in [1, K={num_sources}] (K = number of source prompts), "
+                         f"got {rank!r}")
+    if explained_variance is not None and not (_is_number(explained_variance) and 0 < explained_variance <= 1):
+        raise ValueError(f"{p}explained_variance must be in (0, 1], got {explained_variance!r}")
+    if not (_is_number(contrastive_weight) and math.isfinite(contrastive_weight) and contrastive_weight >= 0):
+        raise ValueError(f"{p}contrastive_weight must be a finite number >= 0, got {contrastive_weight!r}")
+    if isinstance(contrastive_steps, bool) or not isinstance(contrastive_steps, int) or contrastive_steps < 0:
+        raise ValueError(f"{p}contrastive_steps must be an int >= 0, got {contrastive_steps!r}")
+    if not (_is_number(contrastive_temperature) and math.isfinite(contrastive_temperature)
+            and contrastive_temperature > 0):
+        raise ValueError(f"{p}contrastive_temperature must be a finite number > 0, got {contrastive_temperature!r}")
 
 
 def decompose(
@@ -194,18 +253,8 @@ def decompose(
     """
     x3, names = _stack(prompts)
     k, length, dim = x3.shape
-    if rank is not None and explained_variance is not None:
-        raise ValueError("give rank or explained_variance, not both")
-    if rank is not None and (not isinstance(rank, int) or not 1 <= rank <= k):
-        raise ValueError(f"rank must be an int in [1, K={k}] (K = number of source prompts), got {rank!r}")
-    if explained_variance is not None and not 0 < explained_variance <= 1:
-        raise ValueError(f"explained_variance must be in (0, 1], got {explained_variance!r}")
-    if contrastive_weight < 0 or not math.isfinite(contrastive_weight):
-        raise ValueError(f"contrastive_weight must be a finite number >= 0, got {contrastive_weight!r}")
-    if contrastive_steps < 0:
-        raise ValueError(f"contrastive_steps must be >= 0, got {contrastive_steps!r}")
-    if contrastive_temperature <= 0:
-        raise ValueError(f"contrastive_temperature must be > 0, got {contrastive_temperature!r}")
+    check_decompose_settings(k, rank, explained_variance, contrastive_weight, contrastive_steps,
+                             contrastive_temperature)
 
     x = x3.reshape(k, -1).double()  # float64 SVD: full-rank reconstruction is then exact to ~1e-12
     _, s, vh = torch.linalg.svd(x, full_matrices=False)
@@ -222,7 +271,8 @@ def decompose(
         "rank": rank, "explained_variance": explained_variance, "contrastive_weight": contrastive_weight,
         "contrastive_steps": contrastive_steps, "contrastive_temperature": contrastive_temperature, "lr": lr,
         "singular_values": [float(v) for v in s],
-        "explained_variance_kept": float(energy[:rank].sum() / energy.sum().clamp_min(1e-300)),
+        # All-zero prompts are reconstructed exactly at any rank: all of their (zero) energy is kept.
+        "explained_variance_kept": float(energy[:rank].sum() / energy.sum()) if energy.sum() > 0 else 1.0,
         "base_model": base_model,
     }
     p0 = p0.float().reshape(length, dim)

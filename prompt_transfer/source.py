@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from prompt_transfer.decompose import check_decompose_settings
 from prompt_transfer.training import train_prompt
 
 
@@ -254,11 +255,10 @@ def validate_sources_recipe(recipe: Mapping, check_files: bool = True) -> dict:
         _reject_unknown(dec, DECOMPOSE_KEYS, "decompose")
         if not isinstance(dec.get("out"), str) or not dec["out"].strip():
             raise ValueError("decompose.out must be a non-empty path for the decomposition directory")
-        if dec.get("rank") is not None and dec.get("explained_variance") is not None:
-            raise ValueError("decompose: give rank or explained_variance, not both")
-        if dec.get("rank") is not None and not 1 <= int(dec["rank"]) <= len(checked):
-            raise ValueError(f"decompose.rank must be in [1, {len(checked)}] (the number of sources), "
-                             f"got {dec['rank']}")
+        # decompose()'s own rules, applied now: a bad value must stop the run before the first source trains,
+        # not after the last one. None means "decompose()'s default", as in train_sources.
+        check_decompose_settings(len(checked), **{k: v for k, v in dec.items() if k != "out" and v is not None},
+                                 field_prefix="decompose.")
         recipe["decompose"] = dec
     return recipe
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import prompt_transfer as pt
-from prompt_transfer.decompose import decomposition_infonce
+from prompt_transfer.decompose import choose_rank, decomposition_infonce
 
 
 def _prompts(k=4, length=5, dim=16, seed=0):
@@ -96,6 +96,14 @@ def test_single_source_edge_case():
         ([torch.randn(3, 8)] * 2, {"contrastive_weight": -1.0}, "contrastive_weight"),
         ([torch.randn(3, 8)] * 2, {"contrastive_temperature": 0.0}, "contrastive_temperature"),
         ([torch.full((3, 8), float("nan"))], {}, "NaN/Inf"),
+        # Wrong types get the field's own message, not a bare TypeError or int() error.
+        ([torch.randn(3, 8)] * 2, {"rank": 1.5}, r"rank must be an int in \[1, K=2\]"),
+        ([torch.randn(3, 8)] * 2, {"rank": "two"}, r"rank must be an int in \[1, K=2\].*'two'"),
+        ([torch.randn(3, 8)] * 2, {"rank": True}, "rank must be an int"),
+        ([torch.randn(3, 8)] * 2, {"explained_variance": "0.9"}, "explained_variance must be in"),
+        ([torch.randn(3, 8)] * 2, {"contrastive_weight": "0.1"}, "contrastive_weight must be a finite number"),
+        ([torch.randn(3, 8)] * 2, {"contrastive_steps": -5}, "contrastive_steps must be an int >= 0"),
+        ([torch.randn(3, 8)] * 2, {"contrastive_steps": 2.5}, "contrastive_steps must be an int >= 0"),
     ],
 )
 def test_bad_inputs_raise_clear_errors(prompts, kwargs, match):
@@ -122,3 +130,12 @@ def test_save_load_roundtrip_atomic_and_corrupt(tmp_path):
         pt.load_decomposition(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="not a PCT decomposition"):
         pt.load_decomposition(str(tmp_path / "missing"))
+
+
+def test_explained_variance_on_zero_prompts_keeps_a_valid_rank():
+    """All-zero prompts have no energy to explain: rank 1 (exact), not K + 1."""
+    dec = pt.decompose({"a": torch.zeros(2, 4), "b": torch.zeros(2, 4)}, explained_variance=0.9)
+    assert dec.rank == 1 and dec.settings["explained_variance_kept"] == 1.0
+    torch.testing.assert_close(dec.reconstruct(), torch.zeros(2, 2, 4), atol=0, rtol=0)
+    for share in (0.5, 1.0):
+        assert 1 <= choose_rank(torch.tensor([3.0, 2.0, 1.0]), share) <= 3

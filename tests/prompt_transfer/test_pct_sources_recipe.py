@@ -97,13 +97,22 @@ def test_train_sources_saves_one_vanilla_peft_adapter_per_task(tmp_path, tokeniz
     (lambda r: r["sources"][0].pop("data"), r"sources\[0\].data must be a mapping"),
     (lambda r: r.update(epochs=3), r"unknown key\(s\) \['epochs'\]"),
     (lambda r: r.pop("out_dir"), "out_dir must be a non-empty path"),
-    (lambda r: r["decompose"].update(rank=3), r"decompose.rank must be in \[1, 2\]"),
+    (lambda r: r["decompose"].update(rank=3), r"decompose.rank must be an int in \[1, K=2\]"),
+    # Every value decompose() refuses is refused here too, before the first source trains.
+    (lambda r: r["decompose"].update(rank=1.5), r"decompose.rank must be an int in \[1, K=2\].*1.5"),
+    (lambda r: r["decompose"].update(rank="two"), r"decompose.rank must be an int in \[1, K=2\].*'two'"),
+    (lambda r: r["decompose"].update(explained_variance=1.5), r"decompose.explained_variance must be in \(0, 1\]"),
+    (lambda r: r["decompose"].update(contrastive_weight=-1), "decompose.contrastive_weight must be a finite number"),
+    (lambda r: r["decompose"].update(contrastive_steps=-5), "decompose.contrastive_steps must be an int >= 0"),
+    (lambda r: r["decompose"].update(rank=1, explained_variance=0.9),
+     "give decompose.rank or decompose.explained_variance, not both"),
 ])
 def test_recipe_errors_name_the_field(tmp_path, edit, match):
     recipe = _recipe(tmp_path)
     edit(recipe)
     with pytest.raises(ValueError, match=match):
         pct_cli.train_sources(recipe)
+    assert not (tmp_path / "sources").exists() and not (tmp_path / "logs").exists()  # nothing trained
 
 
 def test_cli_reports_a_bad_recipe_in_one_line(tmp_path, capsys):
