@@ -442,16 +442,41 @@ def _parent_and_name(root: nn.Module, qualified: str) -> tuple[nn.Module, str]:
     return (root.get_submodule(parent_name) if parent_name else root), child
 
 
-def _dense_linear(base: nn.Module, weight: torch.Tensor, dtype: torch.dtype | None) -> nn.Linear:
+def _unquantized_dtype(model: nn.Module, adapter_prefix: str) -> torch.dtype:
+    """The floating dtype holding most elements among ``model``'s parameters that are neither quantized nor adapter
+    weights: the dtype the model was loaded in, which its 8-bit layers were quantized from.
+
+    ``Linear8bitLt`` keeps no record of that dtype (unlike a 4-bit layer's quantization state), and its forward
+    returns the input's dtype, so the layers around it (embeddings, norms, head) run in this dtype and an exported
+    layer must match them.
+
+    Args:
+        model: The model being exported.
+        adapter_prefix: The tuner's parameter prefix (``oftv2_``); adapter weights may be kept in another dtype.
+    """
+    counts: dict[torch.dtype, int] = {}
+    for name, param in model.named_parameters():
+        # int8 / packed 4-bit weights are not floating; the class test also skips them before quantization.
+        if (not param.is_floating_point() or adapter_prefix in name
+                or type(param).__name__ in ("Int8Params", "Params4bit")):
+            continue
+        counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+    # A model with nothing else in floating point (not seen with transformers' loaders): LLM.int8()'s usual dtype.
+    return max(counts, key=counts.__getitem__) if counts else torch.float16
+
+
+def _dense_linear(base: nn.Module, weight: torch.Tensor, dtype: torch.dtype | None,
+                  default_8bit: torch.dtype) -> nn.Linear:
     """An ``nn.Linear`` holding ``weight`` (``out × in``) and ``base``'s bias.
 
     Args:
         base: The quantized layer being replaced.
         weight: Its full-precision weight (adapters folded in or not).
-        dtype: Output dtype; default: the 4-bit state's dtype, fp16 for 8-bit layers.
+        dtype: Output dtype; default: the 4-bit state's dtype, ``default_8bit`` for 8-bit layers.
+        default_8bit: The default for 8-bit layers (see :func:`_unquantized_dtype`).
     """
     state = getattr(base.weight, "quant_state", None)
-    out_dtype = dtype or (state.dtype if state is not None else torch.float16)
+    out_dtype = dtype or (state.dtype if state is not None else default_8bit)
     dense = nn.Linear(weight.shape[1], weight.shape[0], bias=base.bias is not None, device=weight.device,
                       dtype=out_dtype)
     with torch.no_grad():
@@ -471,7 +496,9 @@ def merge_and_export_full_precision(peft_model: nn.Module, dtype: torch.dtype | 
 
     Args:
         peft_model: A ``PeftModel`` (or the ``OFTv2Model`` tuner) with OFTv2 adapters.
-        dtype: Weight dtype of the exported quantized layers (default: the dtype the base was quantized from).
+        dtype: Weight dtype of the exported quantized layers (default: the dtype the base was quantized from: a
+            4-bit layer's quantization-state dtype; for 8-bit layers, which keep no record of it, the dtype of the
+            model's other floating parameters, so the export runs with them).
 
     Returns:
         The underlying transformers model, adapters removed. ``peft_model`` must not be used afterwards.
@@ -486,6 +513,8 @@ def merge_and_export_full_precision(peft_model: nn.Module, dtype: torch.dtype | 
     else:
         raise TypeError(f"expected a PeftModel or an OFTv2Model, got {type(peft_model).__name__}")
     quantized = tuple(c for c in map(_loaded_bnb_class, ("Linear4bit", "Linear8bitLt")) if c is not None)
+    # Before any layer is replaced: afterwards the exported layers themselves would be counted.
+    default_8bit = _unquantized_dtype(tuner.model, tuner.prefix)
     for name, module in list(tuner.model.named_modules()):
         if isinstance(module, _QuantizedOFTv2):
             base = module.get_base_layer()
@@ -500,7 +529,7 @@ def merge_and_export_full_precision(peft_model: nn.Module, dtype: torch.dtype | 
         else:
             continue
         parent, child = _parent_and_name(tuner.model, name)
-        setattr(parent, child, _dense_linear(base, weight, dtype))
+        setattr(parent, child, _dense_linear(base, weight, dtype, default_8bit))
     model = tuner.merge_and_unload()
     for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized"):
         if getattr(model, attr, False):

@@ -317,6 +317,55 @@ def _read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     raise FileNotFoundError(f"no {WEIGHTS_NAME} (or adapter_model.bin) in {adapter_dir}")
 
 
+# OFTv2Config fields config_overrides may set: how the loaded rotations are computed and trained, not which
+# tensors exist or what they mean.
+OVERRIDABLE_ON_LOAD = (
+    "kernel_impl", "conv_evaluation", "stack_rotations", "module_dropout", "max_q_norm", "task_type",
+    "base_model_name_or_path", "revision",
+)
+_SHAPE = "it sets the shape of the saved rotation parameters (read from the adapter's oft_block_size / r)"
+_TARGETS = "it decides which layers get a rotation, and the saved weights name exactly those layers"
+_EXTRAS = "it decides which extra tensors the adapter holds, which adapter_config.json already records"
+_FORM = ("the saved parameters were converted for the form in adapter_config.json (exact Cayley negates them): "
+         "another form computes a different rotation from them than the adapter did")
+# Why each other field cannot be overridden on load (the message names the field and this reason).
+_FIXED_ON_LOAD = {
+    "block_size": _SHAPE, "r": _SHAPE, "block_share": _SHAPE,
+    "orthogonalization": _FORM, "neumann_terms": _FORM,
+    "target_modules": _TARGETS, "exclude_modules": _TARGETS, "layers_to_transform": _TARGETS,
+    "layers_pattern": _TARGETS,
+    "modules_to_save": _EXTRAS, "trainable_token_indices": _EXTRAS, "bias": _EXTRAS,
+    "fan_in_fan_out": "it is set per layer from the base layer's type (GPT-2 Conv1D)",
+    "init_weights": "the saved weights replace the initial ones on load, so it would have no effect",
+    "inference_mode": "it follows is_trainable; pass is_trainable instead",
+    "peft_type": "the loaded adapter is an OFTv2 adapter",
+    "auto_mapping": "PEFT sets it", "peft_version": "PEFT sets it",
+}
+
+
+def _check_overrides(overrides: dict) -> None:
+    """Refuses override keys that are no ``OFTv2Config`` field, or fields fixed by the saved adapter.
+
+    Without this, ``setattr`` accepted a typo as a new attribute (silently ignored) and a structural field ended
+    in a size-mismatch ``RuntimeError`` from ``load_state_dict``.
+
+    Args:
+        overrides: The ``config_overrides`` argument.
+
+    Raises:
+        ValueError: Naming the first key refused, and why.
+    """
+    for key in overrides:
+        if key in OVERRIDABLE_ON_LOAD:
+            continue
+        if key in _FIXED_ON_LOAD or key in OFTv2Config.__dataclass_fields__:
+            reason = _FIXED_ON_LOAD.get(key, "the saved adapter fixes it")
+            raise ValueError(f"config_overrides cannot set {key!r} when loading an adapter: {reason}")
+        raise ValueError(
+            f"config_overrides has unknown key {key!r}; accepted keys: {', '.join(OVERRIDABLE_ON_LOAD)}"
+        )
+
+
 def load_peft_oft_adapter(
     model: nn.Module,
     adapter_dir: str | os.PathLike,
@@ -331,13 +380,20 @@ def load_peft_oft_adapter(
         adapter_dir: Directory with ``adapter_config.json`` (peft_type OFT) and the weights.
         adapter_name: Name for the adapter.
         is_trainable: Keep the adapter trainable (else inference mode).
-        config_overrides: Extra OFTv2Config fields (e.g. ``{"kernel_impl": "torch"}``).
+        config_overrides: OFTv2Config fields to set on the converted config (e.g. ``{"kernel_impl": "torch"}``):
+            only those in :data:`OVERRIDABLE_ON_LOAD`, which change how the rotations are computed or trained, not
+            which tensors the adapter holds or what they mean.
 
     Returns:
         The ``PeftModel`` with the OFTv2 adapter, producing the same outputs as PEFT's OFT.
+
+    Raises:
+        ValueError: For an adapter that is not PEFT OFT or does not fit ``model``, and for a ``config_overrides``
+            key that is unknown or fixed by the saved adapter.
     """
     from peft import get_peft_model, set_peft_model_state_dict
 
+    _check_overrides(config_overrides or {})  # before anything is read or built
     adapter_dir = Path(adapter_dir)
     raw, state = _read_adapter(adapter_dir)
     known = set(OFTConfig.__dataclass_fields__)

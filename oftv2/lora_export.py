@@ -157,16 +157,38 @@ def _lora_keys(path: str, layer: OFTv2Layer) -> tuple[str, str]:
     return f"{prefix}.lora_B.weight", f"{prefix}.lora_A.weight"
 
 
+def _check_conv_representable(path: str, layer: OFTv2Layer) -> None:
+    """Refuses a Conv2d whose update PEFT's LoRA ``Conv2d`` (0.21) cannot apply unmerged.
+
+    PEFT builds ``lora_A`` as a dense conv with the base's kernel, stride and padding only: with ``groups != 1`` the
+    flattened update has the wrong shape, with ``dilation != 1`` ``lora_A`` reads an undilated patch (a size
+    mismatch or a different output), and with ``padding_mode != "zeros"`` it pads the border with zeros where the
+    base reflects / wraps / replicates (a wrong output at the border). Merged, the folder would be right, but a
+    server applies LoRA unmerged.
+
+    Args:
+        path: The module path (for the message).
+        layer: The OFTv2 layer.
+    """
+    if not isinstance(layer, Conv2d):
+        return
+    base = layer.get_base_layer()
+    unsupported = {"groups": base.groups != 1, "dilation": any(d != 1 for d in base.dilation),
+                   "padding_mode": base.padding_mode != "zeros"}
+    for setting, bad in unsupported.items():
+        if bad:
+            raise ValueError(
+                f"cannot export Conv2d layer {path!r} with {setting}={getattr(base, setting)!r} as LoRA: PEFT's LoRA "
+                "Conv2d applies a dense, undilated, zero-padded update, so it would not reproduce this layer "
+                "unmerged; merge the adapter instead (merge_and_unload)"
+            )
+
+
 def _shape_factors(layer: OFTv2Layer, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """PEFT LoRA's tensor shapes: Linear ``[out, k]``/``[k, in]``; Conv2d ``[out, k, 1, 1]``/``[k, in, kh, kw]``;
     Embedding ``lora_embedding_B [dim, k]``/``lora_embedding_A [k, num_embeddings]``."""
     if isinstance(layer, Conv2d):
-        base = layer.get_base_layer()
-        if base.groups != 1:
-            raise ValueError(
-                f"cannot export a Conv2d with groups={base.groups} as LoRA (PEFT's LoRA Conv2d is dense); merge it"
-            )
-        return b[:, :, None, None], a.reshape(a.shape[0], *base.weight.shape[1:])
+        return b[:, :, None, None], a.reshape(a.shape[0], *layer.get_base_layer().weight.shape[1:])
     return b, a
 
 
@@ -190,7 +212,8 @@ def lora_from_oftv2(
 
     Raises:
         ValueError: For a bad ``rank``, an adapter that is not OFTv2 or carries biases / modules_to_save /
-            trainable tokens, a merged layer, or a grouped Conv2d.
+            trainable tokens, a merged layer, or a Conv2d with groups, dilation or a padding mode other than
+            zeros (which PEFT's LoRA Conv2d cannot apply unmerged).
     """
     from peft import LoraConfig
 
@@ -202,10 +225,12 @@ def lora_from_oftv2(
         raise ValueError(f"the model has no OFTv2 layer holding adapter {adapter_name!r}")
     from transformers.pytorch_utils import Conv1D
 
-    tensors, ranks, full_ranks, dropped = {}, {}, {}, {}
-    for path, layer in layers:
+    for path, layer in layers:  # every refusal before any SVD
         if adapter_name in layer.merged_adapters:
             raise ValueError(f"layer {path!r} has adapter {adapter_name!r} merged into its weight; unmerge it first")
+        _check_conv_representable(path, layer)
+    tensors, ranks, full_ranks, dropped = {}, {}, {}, {}
+    for path, layer in layers:
         with torch.no_grad():
             weight = base_weight(path, layer) if base_weight is not None else layer._get_base_weight()
             b, a, error = low_rank_factors(delta_weight(layer, adapter_name, weight), rank)

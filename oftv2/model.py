@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 from collections.abc import Callable
 
+import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils import TRANSFORMERS_MODELS_TO_OFT_TARGET_MODULES_MAPPING
 from torch import nn
@@ -163,6 +164,37 @@ class OFTv2Model(BaseTuner):
             # An added (not active) adapter starts frozen, as in PEFT's own tuners.
             new_module.requires_grad_(False)
         self._replace_module(parent, target_name, new_module, target)
+
+    def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
+        """Puts ``new_module`` in place of ``child`` and moves its adapter weights to the base weight's device.
+
+        As ``LoraModel._replace_module`` does, and unlike ``BaseTuner``'s: that one assigns ``child.weight`` to a
+        ``new_module`` without ``base_layer``, which on unload is PEFT's ``TrainableTokensWrapper`` handing back its
+        original embedding (``trainable_token_indices``), whose ``weight`` is a plain tensor (the merged tokens), so
+        ``merge_and_unload`` / ``unload`` failed. The assignment is never needed here: an OFTv2 layer keeps the
+        original module as its ``base_layer``, and an unloaded module already holds its own weights.
+
+        Args:
+            parent: The module holding ``child``.
+            child_name: Attribute name of ``child`` in ``parent``.
+            new_module: The OFTv2 layer wrapping ``child``, or the module that unloading hands back.
+            child: The module being replaced.
+        """
+        setattr(parent, child_name, new_module)
+        # (requires_grad is set by _mark_only_adapters_as_trainable, as in PEFT's own tuners.)
+        if hasattr(child, "base_layer"):
+            child = child.base_layer
+        meta = torch.device("meta")
+        for name, module in new_module.named_modules():
+            if self.prefix not in name:
+                continue
+            if hasattr(child, "weight"):
+                weight = child.weight
+            else:
+                weight = next(child.parameters())
+            # Weights created on the meta device (low_cpu_mem_usage) stay there until the checkpoint fills them.
+            if not any(p.device == meta for p in module.parameters()):
+                module.to(weight.device)
 
     @staticmethod
     def _create_new_module(config: OFTv2Config, adapter_name: str, target: nn.Module, **kwargs) -> nn.Module:

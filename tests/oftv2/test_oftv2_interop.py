@@ -162,3 +162,25 @@ def test_load_rejects_foreign_and_corrupt_dirs(tiny_model, tmp_path):
         load_peft_oft_adapter(tiny_model("llama"), tmp_path / "oft")
     with pytest.raises(FileNotFoundError):
         load_peft_oft_adapter(tiny_model("llama"), tmp_path / "missing")
+
+
+def test_config_overrides_accept_runtime_settings_and_refuse_the_rest(tiny_model, tokens, tmp_path):
+    oft = _peft_oft_model(tiny_model, use_cn=True)
+    with torch.no_grad():
+        reference = oft(tokens).logits
+    oft.save_pretrained(tmp_path / "oft")
+    v2 = load_peft_oft_adapter(tiny_model("llama", seed=0), tmp_path / "oft",
+                               config_overrides={"kernel_impl": "torch", "stack_rotations": True})
+    assert (v2.peft_config["default"].kernel_impl, v2.peft_config["default"].stack_rotations) == ("torch", True)
+    with torch.no_grad():
+        torch.testing.assert_close(v2(tokens).logits, reference, rtol=1e-5, atol=1e-5)
+    # A typo was set as a stray attribute and ignored; now it is refused with the accepted keys.
+    with pytest.raises(ValueError, match=r"unknown key 'kernel_imp'; accepted keys: kernel_impl, "):
+        load_peft_oft_adapter(tiny_model("llama", seed=0), tmp_path / "oft", config_overrides={"kernel_imp": "x"})
+    # Fields the saved adapter fixes: named with the reason, not a size mismatch from load_state_dict.
+    for key, value, why in [("block_size", 16, "shape"), ("r", 4, "shape"), ("block_share", True, "shape"),
+                            ("orthogonalization", "cayley", "converted for the form"),
+                            ("target_modules", ["k_proj"], "which layers"), ("inference_mode", False,
+                                                                              "is_trainable")]:
+        with pytest.raises(ValueError, match=rf"cannot set '{key}' when loading an adapter: .*{why}"):
+            load_peft_oft_adapter(tiny_model("llama", seed=0), tmp_path / "oft", config_overrides={key: value})

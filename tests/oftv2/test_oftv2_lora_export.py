@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 
 import peft
 import pytest
@@ -206,3 +207,37 @@ def test_a_merged_adapter_is_refused(tiny_model):
     model.base_model.merge_adapter()
     with pytest.raises(ValueError, match="unmerge"):
         lora_from_oftv2(model, rank=4)
+
+
+def _convs(**second):
+    """Two 3 × 3 convs; the second with the settings under test."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.Conv2d(4, 6, 3, **second))
+
+
+@pytest.mark.parametrize("second, setting", [
+    ({"padding": 1, "groups": 2}, "groups=2"),
+    ({"padding": 2, "dilation": 2}, "dilation=(2, 2)"),
+    ({"padding": 1, "padding_mode": "reflect"}, "padding_mode='reflect'"),
+    ({"padding": 1, "padding_mode": "circular"}, "padding_mode='circular'"),
+    ({"padding": 1, "padding_mode": "replicate"}, "padding_mode='replicate'"),
+])
+def test_convs_peft_lora_cannot_apply_unmerged_are_refused(tmp_path, second, setting):
+    # PEFT's LoRA Conv2d builds lora_A with the base's kernel, stride and padding only (dense, undilated,
+    # zero-padded): such a folder would crash or compute something else unmerged, as a server applies it.
+    model = peft.get_peft_model(_convs(**second), OFTv2Config(target_modules=["0", "1"], block_size=6))
+    with pytest.raises(ValueError, match=re.escape(f"Conv2d layer '1' with {setting}")):
+        export_lora(model, tmp_path / "lora", rank="full")
+    assert not (tmp_path / "lora").exists()
+
+
+def test_strided_zero_padded_conv_still_exports_exactly(tmp_path):
+    model = peft.get_peft_model(_convs(padding=1, stride=2), OFTv2Config(target_modules=["0", "1"], block_size=6))
+    randomize_q(model, std=0.1)
+    x = torch.randn(2, 4, 9, 9, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(x)
+    export_lora(model, tmp_path / "lora", rank="full")
+    lora = PeftModel.from_pretrained(_convs(padding=1, stride=2), tmp_path / "lora").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(lora(x), expected, rtol=1e-5, atol=1e-5)

@@ -137,3 +137,32 @@ def test_compiled_eval_forward_has_no_break_and_equals_eager(tiny_model, tokens)
     with torch.no_grad():
         torch.testing.assert_close(compiled(tokens).logits, expected, rtol=1e-5, atol=1e-6)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(("optimizer", "compiled_step"), [
+    pytest.param(lambda params: torch.optim.AdamW(params, lr=0.05, fused=True), False, id="adamw"),
+    pytest.param(lambda params: torch.optim.Adam(params, lr=0.05, fused=True), False, id="adam"),
+    pytest.param(lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9, fused=True), False, id="sgd"),
+    pytest.param(lambda params: torch.optim.AdamW(params, lr=0.05, fused=True), True, id="adamw-compiled-step"),
+])
+def test_a_fused_optimizer_step_is_seen(tiny_model, tokens, optimizer, compiled_step):
+    # Fused optimizers write the parameters in place without bumping their version counter; the cache must still
+    # follow them (an eval-mode training loop: RL, or training without dropout). Also when the step is compiled.
+    model = _llama(tiny_model)
+    layer = stacking.oftv2_layers(model)[0]
+    q = layer.oftv2_Q["default"]
+    before = _cached(model, tokens)  # fills the cache
+    opt = optimizer([p for p in model.parameters() if p.requires_grad])
+    step = torch.compile(opt.step, backend="aot_eager") if compiled_step else opt.step
+    torch._dynamo.reset()
+    for _ in range(2):  # a second step after a cached forward too
+        version = q._version
+        model(tokens).logits.square().mean().backward()
+        step()
+        opt.zero_grad()
+        assert q._version == version  # what makes the version alone insufficient
+        expected = _uncached(model, tokens)
+        assert (expected - before).abs().max() > 1e-3  # the step moved the outputs
+        torch.testing.assert_close(_cached(model, tokens), expected, rtol=1e-5, atol=1e-6)
+        before = expected
+    torch._dynamo.reset()
