@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from peftplug.errors import ConfigError, DataError, MissingFileError
+from peftplug.errors import ConfigError, DataError, MissingFileError, one_line
 
 
 def load_model_and_tokenizer(spec: str):
@@ -88,14 +89,46 @@ def read_pairs(path: str | Path) -> list:
 
 
 def _adapter_spec(spec: str) -> tuple[str, float | None]:
-    """``DIR[:MULTIPLIER]`` -> (dir, multiplier or None)."""
+    """``DIR[:MULTIPLIER]`` -> (dir, multiplier or None); a non-finite multiplier is a one-line ConfigError."""
     head, sep, tail = spec.rpartition(":")
     if sep and head:
         try:
-            return head, float(tail)
+            mult = float(tail)
         except ValueError:
-            pass
+            return spec, None
+        if not math.isfinite(mult):
+            raise ConfigError(f"--adapter {spec}: the multiplier after ':' must be a finite number, got {tail!r}")
+        return head, mult
     return spec, None
+
+
+def _require_positive(args, *names: str) -> None:
+    """One-line ConfigError for an integer flag below 1, before any model is loaded.
+
+    Args:
+        args: Parsed arguments.
+        names: Attribute names of the flags (``max_new_tokens`` is reported as ``--max-new-tokens``).
+    """
+    for name in names:
+        value = getattr(args, name)
+        if value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def _prompts_or_bos(tokenizer, prompts: list[str]) -> list[str]:
+    """The prompts, with an empty one started from the BOS token when the tokenizer adds none.
+
+    Generation needs at least one token per row; ``--prompt`` is optional (unconditional generation), which
+    a tokenizer that prepends BOS gives for free.
+    """
+    if all(prompts) or tokenizer("", add_special_tokens=True)["input_ids"]:
+        return prompts
+    if tokenizer.bos_token is None:
+        raise ConfigError(
+            "--prompt: an empty prompt needs a BOS token to start from and this model's tokenizer has none; "
+            "pass --prompt TEXT"
+        )
+    return [p or tokenizer.bos_token for p in prompts]
 
 
 def _cmd_extract(args) -> int:
@@ -139,7 +172,10 @@ def _load_adapters(model, specs: Sequence[str]):
         except ValueError as err:
             raise ConfigError(f"cannot load steering adapter {path}: {err}") from None
         if mult is not None:
-            peft_model.base_model.set_multiplier(mult, adapter_name=name)
+            try:
+                peft_model.base_model.set_multiplier(mult, adapter_name=name)
+            except ValueError as err:
+                raise ConfigError(f"--adapter {spec}: {err}") from None
         names.append(name)
     peft_model.base_model.set_adapter(names)
     return peft_model
@@ -148,9 +184,12 @@ def _load_adapters(model, specs: Sequence[str]):
 def _cmd_generate(args) -> int:
     import torch
 
+    _require_positive(args, "max_new_tokens")
+    for spec in args.adapter:
+        _adapter_spec(spec)  # a bad multiplier is reported before the model loads
     model, tokenizer = load_model_and_tokenizer(args.model)
     peft_model = _load_adapters(model, args.adapter) if args.adapter else model
-    prompts = args.prompt or [""]
+    prompts = _prompts_or_bos(tokenizer, args.prompt or [""])
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     gen = {"max_new_tokens": args.max_new_tokens, "do_sample": args.temperature > 0,
            "pad_token_id": tokenizer.pad_token_id}
@@ -219,9 +258,36 @@ def _read_lines(path: str | Path, what: str, keys: tuple[str, ...]) -> list[dict
     return rows
 
 
+def _load_scorer(folder: str):
+    """The sequence classifier and tokenizer of ``--scorer``; a folder that holds none is a one-line error.
+
+    Args:
+        folder: The ``--scorer`` folder.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        what = ("a PEFT adapter folder (adapter_config.json)" if (path / "adapter_config.json").is_file()
+                else "no config.json")
+        raise ConfigError(
+            f"--scorer {folder}: {what}; expected a saved sequence-classification model folder "
+            "(save_pretrained of an AutoModelForSequenceClassification, with its tokenizer)"
+        )
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError(f"--scorer {folder}: cannot load a sequence classifier: {one_line(str(err))}") from None
+
+
 def _cmd_evaluate(args) -> int:
     from steering import evaluate as ev
 
+    _require_positive(args, "max_new_tokens", "batch_size")
+    for spec in args.adapter:
+        _adapter_spec(spec)
+    if args.scorer and not Path(args.scorer).is_dir():
+        raise MissingFileError(f"--scorer {args.scorer} is not a sequence-classification model folder")
     model, tokenizer = load_model_and_tokenizer(args.model)
     peft_model = _load_adapters(model, args.adapter) if args.adapter else model
     requests = [r["prompt"] for r in _read_lines(args.prompts, "prompts", ("prompt",))]
@@ -238,10 +304,9 @@ def _cmd_evaluate(args) -> int:
             raise ConfigError(f"{err} (pass --raw-prompts for a model without one)") from None
     scorer = None
     if args.scorer:
-        if not Path(args.scorer).is_dir():
-            raise MissingFileError(f"--scorer {args.scorer} is not a sequence-classification model folder")
+        classifier, scorer_tokenizer = _load_scorer(args.scorer)
         try:
-            scorer = ev.classifier_scorer(args.scorer, None, positive_label=args.positive_label)
+            scorer = ev.classifier_scorer(classifier, scorer_tokenizer, positive_label=args.positive_label)
         except ValueError as err:
             raise ConfigError(f"--positive-label: {err}") from None
     questions = answers = steered_questions = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from peft.config import PeftConfig
@@ -10,6 +12,24 @@ OPERATORS = ("add", "ablate", "ablate_then_add")
 POSITIONS = ("all", "prompt", "generated", "from_last_prompt")
 HOOK_POINTS = ("block_output",)
 LAYER_CONVENTIONS = ("block_index",)
+
+
+def _finite(name: str, value) -> float:
+    """``value`` as a finite float, or a ``ValueError`` naming ``SteeringConfig.<name>`` and the accepted range.
+
+    Args:
+        name: Field name for the message.
+        value: The value given (a real number; strings and bools are refused rather than coerced).
+    """
+    number = None
+    if not isinstance(value, (str, bytes, bool)):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = None
+    if number is None or not math.isfinite(number):
+        raise ValueError(f"SteeringConfig.{name} must be a finite real number (any sign), got {value!r}")
+    return number
 
 
 @dataclass
@@ -91,21 +111,26 @@ class SteeringConfig(PeftConfig):
         if len(set(layers)) != len(layers):
             raise ValueError(f"SteeringConfig.layers has duplicates: {layers}")
         self.layers = sorted(layers)
-        self.multiplier = float(self.multiplier)
-        if self.multiplier != self.multiplier or abs(self.multiplier) == float("inf"):
-            raise ValueError(f"SteeringConfig.multiplier must be finite, got {self.multiplier}")
+        self.multiplier = _finite("multiplier", self.multiplier)
         if self.layer_multipliers is not None:
+            if not isinstance(self.layer_multipliers, Mapping):
+                raise ValueError(
+                    "SteeringConfig.layer_multipliers must be a dict {layer index: finite factor}, got "
+                    f"{self.layer_multipliers!r}"
+                )
             normalised = {}
-            for key, value in dict(self.layer_multipliers).items():
+            for key, value in self.layer_multipliers.items():
                 try:
                     layer = int(key)
                 except (TypeError, ValueError):
-                    raise ValueError(f"SteeringConfig.layer_multipliers keys must be layer indices, got {key!r}")
+                    raise ValueError(
+                        f"SteeringConfig.layer_multipliers keys must be layer indices, got {key!r}"
+                    ) from None
                 if layer not in self.layers:
                     raise ValueError(
                         f"SteeringConfig.layer_multipliers has layer {layer}, which is not in layers {self.layers}"
                     )
-                normalised[layer] = float(value)
+                normalised[layer] = _finite(f"layer_multipliers[{layer}]", value)
             self.layer_multipliers = normalised
         for name, value, accepted in (
             ("operator", self.operator, OPERATORS),

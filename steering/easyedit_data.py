@@ -69,6 +69,21 @@ def is_rows(pairs) -> bool:
     return isinstance(pairs, (list, tuple)) and len(pairs) > 0 and isinstance(pairs[0], dict)
 
 
+# EasyEdit2's NO_SYSTEM_PROMPT_MODELS (steer/utils/templates.py), matched as substrings of the lower-cased
+# tokenizer.name_or_path: Gemma's chat templates raise on a system message. "gemma" alone covers the other two.
+NO_SYSTEM_PROMPT_MODELS = ("gemma", "gemma-2", "codegemma")
+
+
+def supports_system_prompt(tokenizer) -> bool:
+    """EasyEdit2's ``model_supports_system_prompt``: ``False`` for Gemma-family tokenizers (by name).
+
+    Args:
+        tokenizer: The tokenizer; its ``name_or_path`` is what EasyEdit2 checks.
+    """
+    name = str(getattr(tokenizer, "name_or_path", "") or "").lower()
+    return not any(model in name for model in NO_SYSTEM_PROMPT_MODELS)
+
+
 def build_model_input(user_input: str, tokenizer, system_prompt: str | None = None,
                       use_chat_template: bool = False) -> str:
     """EasyEdit2's ``build_model_input``: the prompt text a question becomes.
@@ -76,7 +91,8 @@ def build_model_input(user_input: str, tokenizer, system_prompt: str | None = No
     Args:
         user_input: The question (stripped first, as EasyEdit2 does).
         tokenizer: The tokenizer (its chat template when ``use_chat_template``).
-        system_prompt: Optional system message (a prefix without the chat template).
+        system_prompt: Optional system message (a prefix without the chat template; with it, a system message,
+            or for Gemma-family tokenizers a prefix of the user message, as EasyEdit2 does).
         use_chat_template: Wrap in the chat template with the generation prompt.
     """
     user_input = user_input.strip()
@@ -84,7 +100,12 @@ def build_model_input(user_input: str, tokenizer, system_prompt: str | None = No
         return f"{system_prompt} {user_input}" if system_prompt else user_input
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError("use_chat_template=True, but the tokenizer has no chat template")
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages = []
+    if system_prompt and supports_system_prompt(tokenizer):
+        messages.append({"role": "system", "content": system_prompt})
+    elif system_prompt:
+        # EasyEdit2 folds the system prompt into the user message for models whose template has no system role.
+        user_input = f"{system_prompt} {user_input}"
     messages.append({"role": "user", "content": user_input})
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 

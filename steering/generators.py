@@ -375,6 +375,23 @@ def steering_loss(model, batch: dict, objective: str = "preference", beta: float
     return -F.logsigmoid(beta * margin).mean()
 
 
+# Position policies a gradient-trained vector can use. A training forward is one teacher-forced pass over whole
+# texts with no prompt length: every token counts as prompt, so "generated" selects nothing (no gradient reaches the
+# vector) and "from_last_prompt" only the last token of the padded width (often padding). "prompt" trains like "all".
+TRAINABLE_POSITIONS = ("all", "prompt")
+
+
+def _check_trainable_positions(positions: str, where: str) -> None:
+    """Refuses a position policy that a training forward cannot express (see :data:`TRAINABLE_POSITIONS`)."""
+    if positions not in TRAINABLE_POSITIONS:
+        raise ValueError(
+            f"positions={positions!r} ({where}) cannot be trained: training forwards are whole texts without a "
+            f"prompt/generation split, so the vector would get no gradient; use positions in {TRAINABLE_POSITIONS} "
+            "(the trained vectors can be applied under another policy afterwards: steering_adapter(model, vectors, "
+            "positions=...))"
+        )
+
+
 def train_vectors(
     peft_model, tokenizer, pairs, objective: str = "preference", steps: int = 50, lr: float = 0.05,
     batch_size: int = 8, beta: float = 1.0, seed: int = 0, progress: bool = True,
@@ -401,12 +418,16 @@ def train_vectors(
 
     Raises:
         FloatingPointError: If a loss is not finite.
+        ValueError: If an active adapter's ``positions`` is not in :data:`TRAINABLE_POSITIONS`.
     """
     if not isinstance(pairs, TokenizedPairs):
         pairs = _validate_pairs(pairs)
     if steps < 1 or batch_size < 1 or not lr > 0:
         raise ValueError(f"steps, batch_size must be >= 1 and lr > 0, got {steps}, {batch_size}, {lr}")
     names = set(getattr(peft_model.base_model, "active_adapters", ["default"]))
+    for name, config in getattr(peft_model.base_model, "peft_config", {}).items():
+        if name in names:
+            _check_trainable_positions(getattr(config, "positions", "all"), f"adapter {name!r}")
     params = [p for n, p in peft_model.named_parameters()
               if "steer_vector" in n and n.rsplit(".", 1)[-1] in names]
     if not params:
@@ -499,6 +520,8 @@ def train_steering_vector(
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "trainable":
+        _check_trainable_positions(positions, "method='trainable'")
     layers = _validate_layers(model, layers)
     if is_rows(pairs) and method == "vector_prompt":
         pairs = vector_prompt_rows(tokenizer, pairs, prompt, use_chat_template, system_prompt)
@@ -545,6 +568,6 @@ def train_steering_vector(
 
 
 __all__ = [
-    "METHODS", "OBJECTIVES", "READ_POSITIONS", "caa_vectors", "collate_pairs", "extract_activations",
+    "METHODS", "OBJECTIVES", "READ_POSITIONS", "TRAINABLE_POSITIONS", "caa_vectors", "collate_pairs", "extract_activations",
     "pca_vectors", "steering_loss", "train_steering_vector", "train_vectors", "vector_prompt_vectors",
 ]

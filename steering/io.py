@@ -45,6 +45,8 @@ EASYEDIT_FOLDERS: dict[str, tuple[str, str]] = {
     "sae_feature": ("sae_feature_vector", "layer_{layer}.pt"),
 }
 _LAYER_FILE = re.compile(r"^layer_(\d+)(?:_merged_vector)?\.pt$")
+# Any per-layer file of an EasyEdit2 method, importable or not (STA: layer_{L}_{mode}_trim{t}.pt).
+_ANY_LAYER_FILE = re.compile(r"^layer_\d+.*\.pt$")
 _LM_STEER = "lm_steer_vector"
 
 
@@ -72,13 +74,15 @@ def steering_adapter(model, vectors: dict[int, torch.Tensor], adapter_name: str 
     """Wraps ``model`` as a PEFT steering adapter holding the given vectors.
 
     Args:
-        model: A transformers model, or a ``PeftModel`` with steering adapters (the adapter is added).
+        model: A transformers model, or a ``PeftModel`` with steering adapters (the adapter is added and becomes
+            the active one, as :func:`~steering.generators.train_steering_vector` does; combine several with
+            ``model.base_model.set_adapter([...])``).
         vectors: ``{layer: [hidden] tensor}``; the layers become ``SteeringConfig.layers``.
         adapter_name: Adapter name.
         **config_kwargs: Further ``SteeringConfig`` fields (``multiplier``, ``positions``, ...).
 
     Returns:
-        The ``PeftModel``.
+        The ``PeftModel``, with ``adapter_name`` active.
     """
     import peft
 
@@ -92,6 +96,8 @@ def steering_adapter(model, vectors: dict[int, torch.Tensor], adapter_name: str 
     if isinstance(getattr(model, "base_model", None), SteeringModel):
         model.add_adapter(adapter_name, config)
         peft_model = model
+        # PEFT's add_adapter leaves the previous adapter active; callers here expect the vectors they pass to steer.
+        peft_model.base_model.set_adapter(adapter_name)
     else:
         peft_model = peft.get_peft_model(model, config, adapter_name=adapter_name)
     peft_model.base_model.set_vectors({int(k): v for k, v in vectors.items()}, adapter_name)
@@ -183,21 +189,37 @@ def _torch_save_as(tensor: torch.Tensor, tmp: str, name: str) -> None:
         os.replace(target, tmp)
 
 
+def _is_method_folder(path: Path) -> bool:
+    """Whether ``path`` looks like a folder an EasyEdit2 method wrote: per-layer ``layer_{L}...pt`` files (also
+    other methods' names, e.g. STA's ``layer_{L}_{mode}_trim{t}.pt``) or an LM-Steer checkpoint."""
+    if not path.is_dir():
+        return False
+    return path.name == _LM_STEER or any(
+        q.is_file() and (_ANY_LAYER_FILE.match(q.name) or q.name == f"{_LM_STEER}.pt") for q in path.iterdir()
+    )
+
+
 def _method_folder(folder: Path) -> Path:
-    """The folder holding the layer files: ``folder`` itself, or its one EasyEdit2 method sub-folder."""
-    if folder.name == _LM_STEER or (folder / f"{_LM_STEER}.pt").exists() or (folder / _LM_STEER).is_dir():
+    """The folder holding the layer files: ``folder`` itself, or its one EasyEdit2 method sub-folder.
+
+    A dataset folder where several methods ran (EasyEdit2 writes each into its own sub-folder, and STA also
+    writes a ``caa_vector`` side output next to its ``sta_vector``) is ambiguous: the error names the folders
+    rather than importing whichever one happens to have the expected file names.
+    """
+    if folder.name == _LM_STEER or (folder / f"{_LM_STEER}.pt").exists():
         raise CheckpointError(
             f"{folder}: an EasyEdit2 LM-Steer checkpoint (lm_steer_vector.pt, a pickled list that adapts the output "
             "embedding) is not a residual-stream steering vector and cannot be imported; expected layer_{L}.pt files"
         )
     if any(_LAYER_FILE.match(p.name) for p in folder.iterdir()):
         return folder
-    subs = [p for p in sorted(folder.iterdir()) if p.is_dir() and any(_LAYER_FILE.match(q.name) for q in p.iterdir())]
+    subs = [p for p in sorted(folder.iterdir()) if _is_method_folder(p)]
     if len(subs) == 1:
-        return subs[0]
+        return _method_folder(subs[0])
     if len(subs) > 1:
         raise ConfigError(
-            f"{folder} holds several EasyEdit2 vector folders ({', '.join(p.name for p in subs)}); pass one of them"
+            f"{folder} holds several EasyEdit2 vector folders ({', '.join(p.name for p in subs)}); pass the one to "
+            "import (method folders with layer_{L}.pt or layer_{L}_merged_vector.pt files can be)"
         )
     raise MissingFileError(
         f"no layer_{{L}}.pt files in {folder} (expected an EasyEdit2 method folder such as caa_vector/, or the "

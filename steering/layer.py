@@ -68,7 +68,9 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
         context: The model's shared :class:`~steering.positions.SteeringContext`.
         config: The adapter's :class:`~steering.config.SteeringConfig`.
         hidden_size: Residual-stream width.
-        bias_proj: Path (inside the block) of the projection ``merge`` folds ``"add"`` vectors into.
+        bias_proj: Path (inside the block) of the module whose bias ``merge`` folds ``"add"`` vectors into.
+        bias_scale: Factor applied to ``m v`` before folding (``1 / residual_multiplier`` for Granite).
+        merge_refusal: Why no bias of this block can hold the shift exactly (``merge`` then raises it).
     """
 
     adapter_layer_names = ("steer_vector",)
@@ -83,12 +85,16 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
         config: SteeringConfig,
         hidden_size: int,
         bias_proj: str | None = None,
+        bias_scale: float = 1.0,
+        merge_refusal: str | None = None,
     ):
         super().__init__()
         self.base_layer = base_layer
         self.layer_index = layer_index
         self.hidden_size = hidden_size
         self.bias_proj = bias_proj
+        self.bias_scale = float(bias_scale)
+        self.merge_refusal = merge_refusal
         # A plain attribute (not a submodule): the context is shared by all layers of the model.
         self.steer_context = context
         self.steer_vector = nn.ParameterDict({})
@@ -99,6 +105,9 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
         self._disable_adapters = False
         self.merged_adapters: list[str] = []
         self._created_bias = False
+        # The bias as it was before the first merge: unmerge restores it, so it undoes exactly what was merged
+        # even if a multiplier or vector changed meanwhile (and without float round-off from add-then-subtract).
+        self._bias_before_merge: torch.Tensor | None = None
         self._plan: tuple | None = None  # see _add_plan
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config)
@@ -169,7 +178,7 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
         if active.__class__ is not str:
             active = tuple(active)
         plan = self._plan
-        if plan is not None and plan[0] == active and plan[1] == dtype and plan[2] == len(self.merged_adapters):
+        if plan is not None and plan[0] == active and plan[1] == dtype and plan[2] == self.merged_adapters:
             params = plan[5]  # the ParameterDict's own dict (a module attribute lookup costs more than the add)
             for name, param, version, ptr, m, policy, normalize, _ in plan[3]:
                 if (params.get(name) is not param or param._version != version or param.data_ptr() != ptr
@@ -191,7 +200,8 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
             entries.append((name, param, param._version, param.data_ptr(), m, self.steer_positions[name],
                             self.steer_normalize[name], delta))
         steps = [(e[5], e[7]) for e in entries]
-        self._plan = (active, dtype, len(self.merged_adapters), entries, steps, self.steer_vector._parameters)
+        # Which adapters are merged (not how many): unmerge a, merge b keeps the count but changes what to add.
+        self._plan = (active, dtype, list(self.merged_adapters), entries, steps, self.steer_vector._parameters)
         return steps
 
     def steer(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -234,9 +244,13 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
         return hidden
 
     def forward(self, *args, **kwargs):
-        out = self.base_layer(*args, **kwargs)
         if self._disable_adapters:
-            return out
+            # PEFT's convention (LoRA does the same): a disabled layer gives the base block, so merged vectors are
+            # taken out of the bias first; after re-enabling they are applied unmerged, with the same result.
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(*args, **kwargs)
+        out = self.base_layer(*args, **kwargs)
         hidden = out[0] if isinstance(out, tuple) else out
         steered = self.steer(hidden)
         if steered is not hidden:
@@ -245,16 +259,37 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
 
     # ------------------------------------------------------------------------------------------ merging
     def _bias_module(self) -> nn.Module:
+        if self.merge_refusal:
+            raise ValueError(self.merge_refusal)
         proj = _get_submodule(self.base_layer, self.bias_proj)
-        if proj is None or not hasattr(proj, "weight"):
+        if proj is None or getattr(proj, "weight", None) is None:
             raise ValueError(
                 f"cannot merge a steering vector into block {self.layer_index}: no residual output projection "
                 f"{self.bias_proj!r} is known for it (steering.families.register_family(..., bias_proj=...))"
             )
         return proj
 
+    def check_mergeable(self, adapter_names: list[str]) -> None:
+        """Raises ``ValueError`` if any of ``adapter_names`` cannot be folded into this block's bias exactly.
+
+        Args:
+            adapter_names: Adapters about to be merged (names this layer does not hold are skipped).
+        """
+        names = [n for n in adapter_names if n in self.steer_vector and n not in self.merged_adapters]
+        if not names:
+            return
+        self._bias_module()
+        for name in names:
+            if self.steer_operator[name] != "add" or self.steer_positions[name] != "all":
+                raise ValueError(
+                    f"adapter {name!r} uses operator={self.steer_operator[name]!r}, "
+                    f"positions={self.steer_positions[name]!r}: only operator='add' with positions='all' is a "
+                    "constant shift that can be merged into the weights"
+                )
+
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        """Folds ``"add"`` vectors with ``positions="all"`` into the bias of the block's output projection.
+        """Folds ``"add"`` vectors with ``positions="all"`` into the bias that ends the block (scaled as the family
+        requires, see :func:`steering.families.merge_target`).
 
         The result differs from the unmerged adapter only at padding positions (which the adapter leaves
         alone and the merged bias does not), and padding never influences real tokens.
@@ -263,41 +298,45 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
             safe_merge: Check the merged bias for non-finite values first.
             adapter_names: Adapters to merge (default: the active ones).
         """
-        adapter_names = check_adapters_to_merge(self, adapter_names)
+        # Active adapters that steer other blocks only are active here too (PEFT activates names on every layer).
+        adapter_names = [n for n in check_adapters_to_merge(self, adapter_names) if n in self.steer_vector]
         if not adapter_names:
             return
+        self.check_mergeable(adapter_names)
         proj = self._bias_module()
-        for name in adapter_names:
-            if self.steer_operator[name] != "add" or self.steer_positions[name] != "all":
-                raise ValueError(
-                    f"adapter {name!r} uses operator={self.steer_operator[name]!r}, "
-                    f"positions={self.steer_positions[name]!r}: only operator='add' with positions='all' is a "
-                    "constant shift that can be merged into the weights"
-                )
-            delta = (self.steer_multiplier[name] * self._effective_vector(name, torch.float32)).detach()
-            if safe_merge and not torch.isfinite(delta).all():
-                raise ValueError(f"adapter {name!r} has non-finite values; refusing to merge")
-            if proj.bias is None:
-                proj.bias = nn.Parameter(torch.zeros(self.hidden_size, device=delta.device, dtype=proj.weight.dtype))
-                self._created_bias = True
-            with torch.no_grad():
-                proj.bias.add_(delta.to(proj.bias.dtype))
-            self.merged_adapters.append(name)
+        # Everything is checked before the bias changes, so a refused merge leaves the block as it was.
+        deltas = [(self.bias_scale * self.steer_multiplier[name] * self._effective_vector(name, torch.float32)).detach()
+                  for name in adapter_names]
+        if safe_merge:
+            for name, delta in zip(adapter_names, deltas):
+                if not torch.isfinite(delta).all():
+                    raise ValueError(f"adapter {name!r} has non-finite values; refusing to merge")
+        if not self.merged_adapters:
+            self._created_bias = proj.bias is None
+            self._bias_before_merge = None if proj.bias is None else proj.bias.detach().clone()
+        if proj.bias is None:
+            proj.bias = nn.Parameter(
+                torch.zeros(self.hidden_size, device=proj.weight.device, dtype=proj.weight.dtype), requires_grad=False
+            )
+        with torch.no_grad():
+            for name, delta in zip(adapter_names, deltas):
+                proj.bias.add_(delta.to(device=proj.bias.device, dtype=proj.bias.dtype))
+                self.merged_adapters.append(name)
 
     def unmerge(self) -> None:
-        """Subtracts merged vectors from the bias again."""
+        """Restores the bias as it was before the first merge (whatever multipliers or vectors changed since)."""
         if not self.merged:
             warnings.warn("Already unmerged. Nothing to do.")
             return
         proj = self._bias_module()
-        while self.merged_adapters:
-            name = self.merged_adapters.pop()
-            delta = self.steer_multiplier[name] * self._effective_vector(name, torch.float32).detach()
-            with torch.no_grad():
-                proj.bias.sub_(delta.to(proj.bias.dtype))
         if self._created_bias:
             proj.bias = None
-            self._created_bias = False
+        else:
+            with torch.no_grad():
+                proj.bias.copy_(self._bias_before_merge)
+        self.merged_adapters.clear()
+        self._created_bias = False
+        self._bias_before_merge = None
 
     def __repr__(self) -> str:
         return "steering." + super().__repr__()

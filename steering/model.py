@@ -13,7 +13,7 @@ from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
 from steering.config import SteeringConfig
-from steering.families import FAMILIES, find_blocks, hidden_size_of
+from steering.families import FAMILIES, find_blocks, hidden_size_of, merge_target
 from steering.layer import SteeringLayer
 from steering.merge import COMBINATIONS, merge_vectors
 from steering.positions import SteeringContext
@@ -85,10 +85,14 @@ class SteeringModel(BaseTuner):
             target.update_layer(adapter_name, peft_config)
             return
         hidden = peft_config.hidden_size or hidden_size_of(self.model)
-        family = FAMILIES.get(peft_config.model_type)
+        # The model's own family decides where a merge goes (the adapter's model_type is only provenance: vectors
+        # may come from another family of the same width).
+        model_config = getattr(self.model, "config", None)
+        model_type = getattr(model_config, "model_type", None) or peft_config.model_type
+        bias_proj, bias_scale, refusal = merge_target(model_type, model_config)
         new = SteeringLayer(
             target, adapter_name, layer_index, self.steer_context, peft_config, hidden,
-            bias_proj=family.bias_proj if family else None,
+            bias_proj=bias_proj, bias_scale=bias_scale, merge_refusal=refusal,
         )
         if adapter_name not in self.active_adapters:
             new.requires_grad_(False)
@@ -98,11 +102,14 @@ class SteeringModel(BaseTuner):
         setattr(parent, child_name, new_module)
         if not hasattr(new_module, "base_layer"):
             return
-        # Keep the block's own parameters on their device; put the vectors there too.
+        # Keep the block's own parameters on their device; put the vectors there too. Under low_cpu_mem_usage
+        # PEFT creates the vectors on the meta device and assigns the loaded ones afterwards: those stay (as LoRA
+        # does), since meta tensors have no data to move.
         ref = next(child.parameters(), None)
         if ref is not None:
+            meta = torch.device("meta")
             for name, module in new_module.named_modules():
-                if self.prefix in name:
+                if self.prefix in name and not any(p.device == meta for p in module.parameters()):
                     module.to(ref.device)
 
     def _post_injection_hook(self, model: nn.Module, config: SteeringConfig, adapter_name: str) -> None:
@@ -110,10 +117,37 @@ class SteeringModel(BaseTuner):
         owner = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
         self.steer_context.install(owner)
 
-    def _unload_and_optionally_merge(self, *args, **kwargs):
-        model = super()._unload_and_optionally_merge(*args, **kwargs)
+    def _check_steering_merge(self, adapter_names: list[str] | None) -> None:
+        """Raises ``ValueError`` before any bias changes if some layer cannot merge ``adapter_names`` exactly."""
+        names = list(adapter_names) if adapter_names is not None else list(self.active_adapters)
+        for layer in self.steering_layers().values():
+            layer.check_mergeable(names)
+
+    def merge_adapter(self, adapter_names: list[str] | None = None, safe_merge: bool = False) -> None:
+        """PEFT's ``merge_adapter``, refused as a whole (no block merged) when some block cannot merge exactly.
+
+        Args:
+            adapter_names: Adapters to merge (default: the active ones).
+            safe_merge: Check for non-finite values first.
+        """
+        self._check_steering_merge(adapter_names)
+        super().merge_adapter(adapter_names=adapter_names, safe_merge=safe_merge)
+
+    def _unload_and_optionally_merge(
+        self, merge: bool = True, progressbar: bool = False, safe_merge: bool = False, adapter_names=None
+    ):
+        layers = list(self.steering_layers().values())
+        blocks = self._blocks(next(iter(self.peft_config.values())))[1] if self.peft_config else None
+        if merge:
+            self._check_steering_merge(adapter_names)
+        model = super()._unload_and_optionally_merge(
+            merge=merge, progressbar=progressbar, safe_merge=safe_merge, adapter_names=adapter_names
+        )
         # The returned model is plain again: its forward must not keep paying for (or using) our bookkeeping.
         self.steer_context.uninstall()
+        created = [layer for layer in layers if layer._created_bias]
+        if created and blocks is not None:  # also unload() after merge_adapter(): the biases stay
+            keep_created_biases(model, blocks, created[0].bias_proj)
         return model
 
     def delete_adapter(self, adapter_name: str) -> None:
@@ -190,14 +224,28 @@ class SteeringModel(BaseTuner):
             layer_multipliers: New per-layer factors (``None`` keeps the current ones).
         """
         names = [adapter_name] if adapter_name is not None else list(self.active_adapters)
+        # Validate on copies first: a rejected value must leave every config (and what save_pretrained writes)
+        # as it was.
+        checked = {}
         for name in names:
-            config = self._require(name)
-            config.multiplier = float(multiplier)
+            candidate = copy.deepcopy(self._require(name))
+            candidate.multiplier = multiplier
             if layer_multipliers is not None:
-                config.layer_multipliers = layer_multipliers
-            config.__post_init__()
+                candidate.layer_multipliers = layer_multipliers
+            candidate.__post_init__()
+            checked[name] = candidate
+        for name, candidate in checked.items():
+            config = self.peft_config[name]
+            config.multiplier, config.layer_multipliers = candidate.multiplier, candidate.layer_multipliers
+            merged = False
             for layer in self.steering_layers(name).values():
                 layer.steer_multiplier[name] = config.layer_multiplier(layer.layer_index)
+                merged = merged or name in layer.merged_adapters
+            if merged:
+                warnings.warn(
+                    f"adapter {name!r} is merged: the bias keeps the old multiplier until unmerge_adapter() "
+                    "(which restores the unsteered bias exactly); the new one applies after that"
+                )
 
     def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
         """Activates one adapter or several (several steering adapters add up).
@@ -298,6 +346,42 @@ class SteeringModel(BaseTuner):
         self.set_vectors(merged, adapter_name)
         # inject_adapter may have flipped requires_grad; keep the active adapters as they were.
         self.set_adapter(self.active_adapters)
+
+
+def keep_created_biases(model: nn.Module, blocks: nn.ModuleList, bias_proj: str) -> None:
+    """Makes biases that ``merge_and_unload`` had to create survive ``save_pretrained`` -> ``from_pretrained``.
+
+    transformers builds a model from its config, so a bias the config does not declare (Llama with
+    ``mlp_bias=False``) is dropped on reload, and the merged steering with it. Where the family has a config flag
+    for MLP biases it is set, and the projections it governs get zero biases (the same outputs, and a checkpoint
+    without missing keys); elsewhere a warning says so.
+
+    Args:
+        model: The unloaded (plain) model.
+        blocks: Its decoder blocks.
+        bias_proj: Path, inside a block, of the projection that received the created bias.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    flag = family.bias_flag if family is not None else None
+    if flag is None or not hasattr(config, flag):
+        warnings.warn(
+            f"merge_and_unload folded steering vectors into new {bias_proj} biases, which a {model_type!r} config "
+            "cannot declare: this model steers, but save_pretrained -> from_pretrained drops them; save the adapter "
+            "(PeftModel.save_pretrained) instead of the merged model"
+        )
+        return
+    setattr(config, flag, True)
+    owner = bias_proj.rsplit(".", 1)[0] if "." in bias_proj else ""
+    for block in blocks:
+        mlp = block.get_submodule(owner) if owner else block
+        for module in mlp.modules():
+            if isinstance(module, nn.Linear) and module.bias is None:
+                module.bias = nn.Parameter(
+                    torch.zeros(module.out_features, device=module.weight.device, dtype=module.weight.dtype),
+                    requires_grad=False,
+                )
 
 
 def steering_model_of(model) -> SteeringModel:

@@ -38,6 +38,22 @@ def _past_length(cache) -> int:
     return 0
 
 
+def _padding_mask(attention_mask) -> torch.Tensor | None:
+    """The 2-D ``[batch, keys]`` padding mask among what a model received as ``attention_mask``, or ``None``.
+
+    Usually a 2-D tensor. Under a static cache, generate hands the base model prepared 4-D masks instead, and
+    for models mixing sliding-window and full attention (Gemma-2/3) a dict of them keyed by attention type: neither
+    says which tokens are padding without decoding the causal and window structure, so they count as "no padding
+    information" (as a 4-D tensor always has). A dict holding a 2-D tensor is used.
+    """
+    if isinstance(attention_mask, dict):
+        masks = [m for m in attention_mask.values() if torch.is_tensor(m) and m.dim() == 2]
+        return masks[0] if masks else None
+    if torch.is_tensor(attention_mask) and attention_mask.dim() == 2:
+        return attention_mask
+    return None
+
+
 class SteeringContext:
     """Per-forward position bookkeeping shared by all steering layers of one model.
 
@@ -133,13 +149,14 @@ class SteeringContext:
             length: Number of tokens in this forward.
             past: Number of tokens before them in the sequence (cache length).
             attention_mask: The model's ``attention_mask`` (2-D ``[batch, past + length]`` or
-                ``[batch, length]``), or ``None``. 4-D masks are ignored (no padding information assumed).
+                ``[batch, length]``), or ``None``. 4-D masks and dicts of them (hybrid sliding-window models under
+                a static cache) are ignored (no padding information assumed).
             device: Device of the hidden states.
         """
         self._cache = {}
         self._past, self._length, self._device, self._batch = past, length, device, batch
         self.positions = None
-        mask2d = attention_mask if (attention_mask is not None and attention_mask.dim() == 2) else None
+        mask2d = _padding_mask(attention_mask)
         generating = False
         if self._explicit_prompt_len:
             prompt_len, generating = self._explicit_prompt_len[-1]
