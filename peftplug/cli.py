@@ -145,6 +145,12 @@ def _cli_classes():
                 read_checkpoint(ckpt_path, mmap=True)
                 if self.config[subcommand].get("weights_only", False) is None:
                     self.config[subcommand].weights_only = True  # what read_checkpoint just loaded it with
+            model = self.config[subcommand].get("model") if subcommand else None
+            if subcommand == "fit" and model is not None and model.get("model") is not None:
+                # Lightning would replace the recipe's and the command line's model settings with the checkpoint's
+                # hyperparameters, silently training the checkpoint's adapter instead of the configured one. The
+                # config's settings win; PeftModule.on_load_checkpoint refuses a checkpoint that does not fit them.
+                return
             super()._parse_ckpt_path()
 
         def parse_arguments(self, parser: Any, args: Any) -> None:
@@ -265,7 +271,15 @@ def _cli_classes():
             stops = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, GracefulInterrupt)]
             return next((c.signal_received for c in stops if c.signal_received is not None), None)
 
-        def _held_out(self) -> tuple[str, float] | None:
+        @staticmethod
+        def _held_out_line(result: tuple[str, float | None], when: str = "") -> str:
+            """The printed line of a held-out result from :meth:`_held_out` (``when``: ``" before"`` or empty)."""
+            name, value = result
+            if value is None:
+                return f"held-out evaluation{when}: 0 examples counted (no held-out row has a target token)"
+            return f"held-out {name}{when}: {value:.3f}"
+
+        def _held_out(self) -> tuple[str, float | None] | None:
             """Tests on the held-out split; ``(metric name, value)`` on rank 0, else ``None``."""
             results = self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
             if not self.trainer.is_global_zero or not results:
@@ -275,6 +289,9 @@ def _cli_classes():
                 return "accuracy", float(metrics["test_acc"])
             if "test_ppl" in metrics:
                 return "perplexity", float(metrics["test_ppl"])
+            if "test_loss" not in metrics:
+                # PeftModule logs nothing when no example had a target token: say so rather than print nothing.
+                return "evaluation", None
             return None
 
         def before_fit(self) -> None:
@@ -283,7 +300,7 @@ def _cli_classes():
             if self._get(self.config, "evaluate_before_fit", default=False):
                 self._before = self._held_out()
                 if self._before is not None and not self._get(self.config, "evaluate_after_fit", default=False):
-                    print(f"held-out {self._before[0]} before: {self._before[1]:.3f}", flush=True)
+                    print(self._held_out_line(self._before, " before"), flush=True)
 
         def after_fit(self) -> None:
             """Tests on the held-out split and prints the metric when ``--evaluate_after_fit`` is set; with
@@ -293,9 +310,9 @@ def _cli_classes():
             after = self._held_out()
             before = getattr(self, "_before", None)
             if before is not None:
-                print(f"held-out {before[0]} before: {before[1]:.3f}", flush=True)
+                print(self._held_out_line(before, " before"), flush=True)
             if after is not None:
-                print(f"held-out {after[0]}: {after[1]:.3f}", flush=True)
+                print(self._held_out_line(after), flush=True)
 
     return PeftCLI
 

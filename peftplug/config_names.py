@@ -13,6 +13,8 @@ import difflib
 import importlib
 import inspect
 import re
+import types
+import typing
 from collections.abc import Iterable
 from typing import Any
 
@@ -121,6 +123,64 @@ def check_init_args(cls: type, given: Iterable[str], field: str) -> None:
             raise ConfigError(f"{field}.{key}: {cls.__name__} has no setting {key!r}{hint(key, accepted, 12)}")
 
 
+def _fits(value: Any, annotation: Any) -> bool:
+    """Whether a YAML/JSON value fits a dataclass field's annotation; types this cannot judge (classes, ``Any``,
+    callables) are accepted and left to the config class."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any or annotation is None or annotation is type(None):
+        return annotation is Any or value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is typing.Literal:
+        return value in args
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin in (list, tuple, set, frozenset) or annotation in (list, tuple, set, frozenset):
+        if not isinstance(value, (list, tuple, set, frozenset)):
+            return False
+        item = args[0] if args and (origin is not tuple or (len(args) == 2 and args[1] is Ellipsis)) else Any
+        return all(_fits(v, item) for v in value)
+    if origin is dict or annotation is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def _type_name(annotation: Any) -> str:
+    """A readable annotation: ``int``, ``list[str] | str | None``."""
+    return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+
+
+def check_init_types(cls: type, values: dict, field: str) -> None:
+    """Refuses a value whose type does not fit the dataclass field it sets, in one line naming the field
+    (``model.peft.init_args.r``) and its type: PEFT's configs do not check, and a string ``r`` surfaced as a
+    ``TypeError`` deep inside the adapter's layers.
+
+    Args:
+        cls: The config class (a dataclass; other classes are not checked).
+        values: The settings given for it.
+        field: Where they are configured (``model.peft.init_args``).
+
+    Raises:
+        ConfigError: For the first value that does not fit.
+    """
+    if not dataclasses.is_dataclass(cls):
+        return
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001  (an annotation that does not resolve: leave the check to the class)
+        return
+    for key, value in values.items():
+        if key in hints and not _fits(value, hints[key]):
+            raise ConfigError(f"{field}.{key}: expected {_type_name(hints[key])}, got {type(value).__name__} "
+                              f"{value!r}")
+
+
 def check_peft_spec(spec: Any, field: str = "model.peft") -> None:
     """Checks the names in a ``model.peft`` dict: the ``class_path`` and its ``init_args`` keys, or the
     ``peft_type`` config's keys (an ``adapter_config.json``'s bookkeeping keys are allowed).
@@ -130,7 +190,8 @@ def check_peft_spec(spec: Any, field: str = "model.peft") -> None:
         field: The config field, for messages.
 
     Raises:
-        ConfigError: For a class that cannot be imported or a key its config class does not have.
+        ConfigError: For a class that cannot be imported, a key its config class does not have, or a value that
+            does not fit its field's type.
     """
     if not isinstance(spec, dict):
         return
@@ -140,6 +201,7 @@ def check_peft_spec(spec: Any, field: str = "model.peft") -> None:
         if unknown:
             raise ConfigError(f"{field}.{min(unknown)}: a class_path config takes its settings under init_args")
         check_init_args(cls, dict(spec.get("init_args") or {}), f"{field}.init_args")
+        check_init_types(cls, dict(spec.get("init_args") or {}), f"{field}.init_args")
     elif "peft_type" in spec:
         from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
@@ -151,6 +213,7 @@ def check_peft_spec(spec: Any, field: str = "model.peft") -> None:
         # own loading does. Only a hand-written dict's keys are checked here.
         if peft_type in known and not spec.get("peft_version"):
             check_init_args(known[peft_type], [k for k in spec if k not in SAVED_BOOKKEEPING], field)
+            check_init_types(known[peft_type], {k: v for k, v in spec.items() if k not in SAVED_BOOKKEEPING}, field)
 
 
 def saved_config_extras(cls: type, spec: dict) -> list[str]:

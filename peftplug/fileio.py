@@ -72,9 +72,16 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterat
         if target.exists():
             # Renaming a directory onto a non-empty one fails on POSIX: move the old one aside first.
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-            os.replace(target, old / "dir")
-            os.replace(staging, target)
-            shutil.rmtree(old, ignore_errors=True)
+            try:
+                os.replace(target, old / "dir")
+                try:
+                    os.replace(staging, target)
+                except BaseException:
+                    os.replace(old / "dir", target)  # the new one could not go in: put the previous one back
+                    raise
+            finally:
+                if target.exists():  # the new or the previous directory is in place: the set-aside copy can go
+                    shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(staging, target)
     finally:

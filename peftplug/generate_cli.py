@@ -101,12 +101,44 @@ class Generator:
         from peftplug.data.base import pad_batch
 
         check_sampling(max_new_tokens, temperature)
+        self.check_positions(max(len(p) for p in prompts), max_new_tokens)
         batch = pad_batch([{"input_ids": p, "attention_mask": [1] * len(p)} for p in prompts],
                           self.tokenizer.pad_token_id, left=True)
         torch.manual_seed(seed)  # only sampling draws from it
         with torch.inference_mode():
             return self.module.generate_texts(batch["input_ids"], batch["attention_mask"], max_new_tokens,
                                               temperature=temperature)
+
+
+    def position_limit(self) -> int | None:
+        """The size of the model's learned position table (GPT-2's ``wpe``, OPT's ``embed_positions``, BERT-style
+        ``position_embeddings``), or ``None`` for models without one (rotary positions: no table to run off)."""
+        import torch
+
+        for name, module in self.module.model.named_modules():
+            if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES:
+                return module.num_embeddings - getattr(module, "offset", 0)
+        return None
+
+    def check_positions(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Refuses a prompt that, with the tokens to generate, runs past the model's position table (an
+        ``IndexError`` deep in the embedding otherwise).
+
+        Args:
+            prompt_tokens: Tokens of the longest prompt of the batch.
+            max_new_tokens: Tokens to generate at most.
+
+        Raises:
+            ConfigError: Naming both lengths and the limit.
+        """
+        limit = self.position_limit()
+        if limit is not None and prompt_tokens + max_new_tokens > limit:
+            raise ConfigError(f"the prompt is {prompt_tokens} tokens and --max_new_tokens {max_new_tokens}, but the "
+                              f"model has {limit} positions: shorten the prompt or lower --max_new_tokens")
+
+
+# Names of learned absolute position tables in transformers' models.
+_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 
 
 def check_sampling(max_new_tokens: int, temperature: float) -> None:
@@ -159,7 +191,14 @@ def chat_loop(generator: Generator, max_new_tokens: int, temperature: float, std
         if not line.strip():
             continue
         history.append({"role": "user", "content": line.strip()})
-        text = generator.answer([generator.encode(history)], max_new_tokens, temperature)[0].strip()
+        try:
+            text = generator.answer([generator.encode(history)], max_new_tokens, temperature)[0].strip()
+        except ConfigError as err:
+            # The conversation outgrew the model's positions: say so and keep the session without that message.
+            history.pop()
+            stdout.write(f"peftplug: {err}\n")
+            stdout.flush()
+            continue
         history.append({"role": "assistant", "content": text})
         stdout.write(f"model> {text}\n")
         stdout.flush()

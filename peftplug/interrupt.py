@@ -1,17 +1,18 @@
-"""Ctrl-C and SIGTERM during training: finish the batch, write a checkpoint, stop cleanly.
+"""Ctrl-C and SIGTERM during training: finish the optimizer step, write a checkpoint, stop cleanly.
 
 :class:`GracefulInterrupt` (``peftplug fit`` adds it to every run) takes over SIGINT and SIGTERM while the training
 loop runs (a signal the process was started with ignored, as ``nohup`` and a background ``&`` do for SIGINT,
-stays ignored). The first signal only sets a flag; the current batch finishes (a zeroth-order step perturbs the
-parameters in place, so a checkpoint taken inside a step would hold perturbed weights), and at the batch boundary
-— where Lightning's ``ModelCheckpoint`` saves too — a checkpoint ``last.ckpt`` is written into the run's checkpoint
-folder and the trainer stops. ``peftplug fit --config ... --ckpt_path last`` then resumes exactly: optimizer, LR
-scheduler, loops, the training loader's position (:mod:`peftplug.data.resumable`) and the RNG states
-(:mod:`peftplug.resume`). A second signal aborts at once (nothing more is written). What is lost: on Ctrl-C or
+stays ignored). The first signal only sets a flag; the current optimizer step finishes — the current batch, and with
+``accumulate_grad_batches`` > 1 the rest of its accumulation window, since a checkpoint holds no accumulated
+gradients (and a zeroth-order step perturbs the parameters in place, so a checkpoint taken inside a step would hold
+perturbed weights) — and at that boundary, where Lightning's ``ModelCheckpoint`` saves too, a checkpoint
+``last.ckpt`` is written into the run's checkpoint folder and the trainer stops. ``peftplug fit --config ...
+--ckpt_path last`` then resumes exactly: optimizer, LR scheduler, loops, the training loader's position
+(:mod:`peftplug.data.resumable`) and the RNG states (:mod:`peftplug.resume`). A second signal aborts at once (nothing more is written). What is lost: on Ctrl-C or
 SIGTERM nothing; on SIGKILL or a lost machine everything since the last periodic checkpoint.
 
-Under DDP the flag is all-reduced at each batch end (one scalar), so all ranks stop after the same batch and
-write the checkpoint together.
+Under DDP the flag is all-reduced at each optimizer-step boundary (one scalar), so all ranks stop after the same
+batch and write the checkpoint together.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ class GracefulInterrupt(Callback):
             self._restore_handlers()
             raise KeyboardInterrupt
         self.signal_received = signum
-        print(f"peftplug: {signal.Signals(signum).name} received: finishing the current batch, then writing a "
-              "checkpoint and stopping (send it again to abort at once)", file=sys.stderr, flush=True)
+        print(f"peftplug: {signal.Signals(signum).name} received: finishing the current optimizer step (with gradient "
+              "accumulation, its last micro-batch), then writing a checkpoint and stopping (send it again to abort "
+              "at once)", file=sys.stderr, flush=True)
 
     def _install_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -94,6 +96,14 @@ class GracefulInterrupt(Callback):
         self.signal_received, self.checkpoint_path = None, None
         self._install_handlers()
 
+    @staticmethod
+    def _accumulating(trainer: Any) -> bool:
+        """Whether the batch that just ended left gradients accumulated for a later optimizer step (Lightning's own
+        test: the window is full, or it is the epoch's last batch, else it accumulates)."""
+        if trainer.accumulate_grad_batches <= 1:
+            return False
+        return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+
     def _any_rank_signalled(self, trainer: Any) -> bool:
         flag = torch.tensor(0.0 if self.signal_received is None else 1.0, device=trainer.strategy.root_device)
         if trainer.world_size > 1:
@@ -101,8 +111,14 @@ class GracefulInterrupt(Callback):
         return bool(flag.item() > 0)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """At the batch boundary after a signal: writes the checkpoint and asks the trainer to stop."""
-        if trainer.should_stop or not self._any_rank_signalled(trainer):
+        """At the optimizer-step boundary after a signal: writes the checkpoint and asks the trainer to stop.
+
+        Inside a gradient-accumulation window (``accumulate_grad_batches`` > 1) it waits for the window's last
+        micro-batch: a checkpoint holds no accumulated gradients, so one written mid-window would resume with them
+        lost and the run would no longer equal the uninterrupted one. Every rank has the same window, so the ranks
+        still all-reduce the flag at the same batches.
+        """
+        if trainer.should_stop or self._accumulating(trainer) or not self._any_rank_signalled(trainer):
             return
         if self.signal_received is None:  # another rank got it
             self.signal_received = signal.SIGTERM

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ from peft import PeftConfig
 from peftplug.answers import answer_matches
 from peftplug.compiling import ModelCompiler
 from peftplug.errors import ConfigError, MissingFileError
+from peftplug.fileio import atomic_directory
 from peftplug.loading import (
     QUANTIZATIONS,
     TASKS,
@@ -580,21 +579,15 @@ class PeftModule(L.LightningModule):
         target = Path(output).expanduser().resolve()
         if target.exists() and any(target.iterdir()) and not overwrite:
             raise MissingFileError(f"export directory {str(target)!r} exists and is not empty (use --overwrite)")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        try:
+        if merge and not isinstance(self.model, PeftModel):
+            raise ConfigError("--merge needs a model with a PEFT adapter")
+        # atomic_directory (as --as_lora uses): the folder gets the umask's mode, not mkdtemp's 0700, and an
+        # overwritten export is moved aside before the new one is renamed in, so a crash leaves one of the two.
+        with atomic_directory(target, overwrite=target.exists()) as staging:
             if merge:
-                if not isinstance(self.model, PeftModel):
-                    raise ConfigError("--merge needs a model with a PEFT adapter")
                 self.model.merge_and_unload().save_pretrained(staging)
             else:
                 self.model.save_pretrained(staging)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(staging)
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(staging, target)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
         return target

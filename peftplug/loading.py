@@ -25,9 +25,12 @@ bitsandbytes is asked for through :func:`peftplug.optional.bitsandbytes_availabl
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import importlib
 import importlib.util
 import os
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -70,12 +73,47 @@ def check_choice(field: str, value: str, accepted: tuple[str, ...]) -> str:
 
 
 def _built_dir(key: str, build: Any) -> str:
-    """The folder ``build(folder)`` writes a model into, once per process for each ``key``."""
+    """The folder ``build(folder)`` writes a model into, built once per process for each ``key``.
+
+    The build goes into ``<cache>/built/`` (:func:`peftplug.gguf_models.cache_root`) and is kept under the hash of
+    its content, so every process that builds the same model reuses one folder instead of leaving a new
+    ``/tmp/peftplug-*`` folder behind (the content, not the key, names it: a changed build gets a new folder).
+    Where the cache cannot be written, a temporary folder is used and removed when the process exits.
+    """
     if key not in _BUILT_DIRS:
-        path = tempfile.mkdtemp(prefix=f"peftplug-{key.split(':')[0]}-")
-        build(path)
-        _BUILT_DIRS[key] = path
+        name = key.replace(":", "-") if key.startswith("tiny:") else key.split(":")[0]
+        try:
+            _BUILT_DIRS[key] = _cached_build(name, build)
+        except OSError:
+            path = tempfile.mkdtemp(prefix=f"peftplug-{name}-")
+            atexit.register(shutil.rmtree, path, ignore_errors=True)
+            build(path)
+            _BUILT_DIRS[key] = path
     return _BUILT_DIRS[key]
+
+
+def _cached_build(name: str, build: Any) -> str:
+    """Builds into a staging folder of the cache and keeps the result as ``<name>-<content hash>``."""
+    from peftplug.gguf_models import cache_root
+
+    root = cache_root() / "built"
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", suffix=".tmp", dir=root))
+    try:
+        build(str(staging))
+        digest = hashlib.sha256()
+        for file in sorted(p for p in staging.rglob("*") if p.is_file()):
+            digest.update(str(file.relative_to(staging)).encode() + b"\0" + file.read_bytes())
+        final = root / f"{name}-{digest.hexdigest()[:16]}"
+        if not final.is_dir():
+            try:
+                os.replace(staging, final)
+            except OSError:
+                if not final.is_dir():  # not another process that got there first
+                    raise
+        return str(final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _tiny_dir(family: str) -> str:
@@ -348,9 +386,19 @@ def check_target_modules(model: torch.nn.Module, peft_config: Any) -> None:
         return
     if any(check_target_module_exists(peft_config, key) for key, _ in model.named_modules() if key):
         return
-    shown = sorted(targets) if not isinstance(targets, str) else targets
+    if isinstance(targets, str):
+        # PEFT reads one string as a regular expression over each module's full name (re.fullmatch), not as a
+        # module name: 'q_proj' matches no 'model.layers.0.self_attn.q_proj'.
+        leaves = _leaf_module_names(model)
+        full = next((k for k, _ in model.named_modules() if k.endswith(f".{targets}")), None)
+        known = f" (full names are like {full!r})" if full else f"; modules with weights are named: {', '.join(leaves)}"
+        raise ConfigError(
+            f"peft.target_modules {targets!r} is one string, which PEFT reads as a regular expression matching a "
+            f"module's full name, and it matches none{known}; to name modules give a list: "
+            f"--model.peft.init_args.target_modules '[{targets}]' (YAML: target_modules: [{targets}])"
+        )
     raise ConfigError(
-        f"peft.target_modules {shown!r} match no module of the model; modules with weights are named: "
+        f"peft.target_modules {sorted(targets)!r} match no module of the model; modules with weights are named: "
         + ", ".join(_leaf_module_names(model))
     )
 

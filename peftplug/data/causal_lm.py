@@ -8,7 +8,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from peftplug.data.base import TokenizedDataModule, pad_batch
-from peftplug.data.files import check_val_fraction, read_splits
+from peftplug.data.files import check_val_fraction, no_room, read_splits, row_name, row_text
 from peftplug.errors import ConfigError, DataError
 
 
@@ -80,6 +80,9 @@ class CausalLMData(TokenizedDataModule):
             return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": list(ids)}
         head = tokenizer(prompt)["input_ids"]
         tail = tokenizer(response, add_special_tokens=False)["input_ids"] + eos
+        if len(head) >= self.max_length:
+            # Every loss token would be cut away: the row's loss is NaN (0/0) and every such step is skipped.
+            raise no_room("the prompt", len(head), "the response", self.max_length)
         ids = (head + tail)[: self.max_length]
         labels = ([-100] * len(head) + tail)[: self.max_length]
         return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
@@ -100,9 +103,19 @@ class CausalLMData(TokenizedDataModule):
         columns = [self.prompt_column, self.response_column] if instruction else [self.text_column]
         raw = read_splits(self.files, columns, self.val_fraction, self.seed)
         for split, cols in raw.items():
-            prompts = [str(p) for p in cols[columns[0]]]
-            responses = [str(r) for r in cols[columns[1]]] if instruction else [None] * len(prompts)
-            self.splits[split] = [self._encode(tokenizer, task, p, r) for p, r in zip(prompts, responses)]
+            prompts, encoded = [], []
+            for index, row in enumerate(zip(*(cols[c] for c in columns))):
+                try:
+                    # The rule ChatData applies to its rows: no missing text, no empty answer, an answer that fits.
+                    if instruction:
+                        prompt, response = row_text(row[0], "prompt", blank_ok=True), row_text(row[1], "response")
+                    else:
+                        prompt, response = row_text(row[0], "text"), None
+                    encoded.append(self._encode(tokenizer, task, prompt, response))
+                except DataError as err:
+                    raise DataError(f"{row_name(split, cols, index)}: {err}") from None
+                prompts.append(prompt)
+            self.splits[split] = encoded
             self.prompts[split] = prompts
             if not self.splits[split]:
                 raise DataError(f"the {split} split is empty")

@@ -37,7 +37,7 @@ from peftplug.data.conversations import (
     template_pieces,
     with_system,
 )
-from peftplug.data.files import ROW_SOURCE, check_val_fraction, row_name
+from peftplug.data.files import ROW_SOURCE, check_val_fraction, row_name, row_text
 from peftplug.errors import ConfigError, DataError
 
 # Placeholders of the former single-exchange splitter, kept for scripts that imported them.
@@ -85,13 +85,8 @@ def encode_chat(tokenizer: Any, prompt: str, response: str | None, system_prompt
 
 def _pair_turns(prompt: Any, response: Any) -> list[Turn]:
     """A prompt/response row as a one-exchange conversation."""
-    for side, value in (("prompt", prompt), ("response", response)):
-        if isinstance(value, (list, dict)):
-            raise DataError(f"the {side} is a {type(value).__name__}, expected text (for conversational turns use a "
-                            "`messages` column)")
-    if prompt is None or response is None or not str(response).strip():
-        raise DataError(f"the {'prompt' if prompt is None else 'response'} is empty")
-    return [Turn("user", str(prompt)), Turn("assistant", str(response), trained=True)]
+    prompt, response = row_text(prompt, "prompt", blank_ok=True), row_text(response, "response")
+    return [Turn("user", prompt), Turn("assistant", response, trained=True)]
 
 
 class ChatData(TokenizedDataModule):

@@ -20,14 +20,15 @@ PAIRS = "pairs"
 
 
 def _json_keys(path: Path) -> list[str] | None:
-    with open(path, encoding="utf-8") as f:
+    # utf-8-sig: a byte-order mark (Windows Notepad writes one) would otherwise hide the first key's name.
+    with open(path, encoding="utf-8-sig") as f:
         first = next((line for line in f if line.strip()), "")
     try:
         record = json.loads(first)  # JSON Lines (also in a .json file), or a one-line JSON array
     except json.JSONDecodeError:
         if path.suffix.lower() == ".jsonl":
             return None
-        record = json.loads(path.read_text(encoding="utf-8"))  # one JSON document: a list of records
+        record = json.loads(path.read_text(encoding="utf-8-sig"))  # one JSON document: a list of records
     record = record[0] if isinstance(record, list) and record else record
     return list(record) if isinstance(record, dict) else None
 
@@ -35,7 +36,7 @@ def _json_keys(path: Path) -> list[str] | None:
 def _json_records(path: Path) -> list | None:
     """The records of a JSON Lines file or a JSON array, read with the standard library; ``None`` if it is
     neither (``read_table`` then says where it breaks)."""
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")
     try:
         records = json.loads(text)
     except json.JSONDecodeError:

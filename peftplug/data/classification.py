@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 
 from peftplug.data.base import TokenizedDataModule
-from peftplug.data.files import ROW_SOURCE, check_val_fraction, read_splits, row_name
+from peftplug.data.files import ROW_SOURCE, check_val_fraction, read_splits, row_name, row_text
 from peftplug.errors import ConfigError, DataError
 
 
@@ -92,6 +92,24 @@ class TextClassificationData(TokenizedDataModule):
                                     "non-negative integers or strings")
                 cols["label"] = [int(v) for v in cols["label"]]
 
+    @staticmethod
+    def _texts(split: str, cols: dict[str, list], column: str) -> list[str]:
+        """A split's text column, every cell checked by :func:`peftplug.data.files.row_text` (a missing text is
+        refused, naming its row, rather than classified as the text "None").
+
+        Args:
+            split: The split's name.
+            cols: The split's raw columns.
+            column: ``text`` or ``text_pair``.
+        """
+        texts = []
+        for index, value in enumerate(cols[column]):
+            try:
+                texts.append(row_text(value, column.replace("_", " "), blank_ok=True))
+            except DataError as err:
+                raise DataError(f"{row_name(split, cols, index)}: {err}") from None
+        return texts
+
     @property
     def num_labels(self) -> int | None:
         """Number of classes seen (after ``setup``)."""
@@ -113,7 +131,7 @@ class TextClassificationData(TokenizedDataModule):
         for split, cols in raw.items():
             pairs = cols.get("text_pair")
             encoded = tokenizer(
-                [str(t) for t in cols["text"]], [str(t) for t in pairs] if pairs else None,
+                self._texts(split, cols, "text"), self._texts(split, cols, "text_pair") if pairs else None,
                 truncation=True, max_length=self.max_length,
             )
             keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in encoded]

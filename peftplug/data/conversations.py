@@ -31,6 +31,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from peftplug.data.files import no_room
 from peftplug.errors import ConfigError, DataError
 
 MESSAGES, SHAREGPT = "messages", "conversations"
@@ -273,8 +274,7 @@ def encode_conversation(tokenizer: Any, turns: list[Turn], max_length: int,
         user = keep_system if kept[keep_system].role == "user" else None
         fixed = length - (len(kept_contents[user]) if user is not None else 0)
         if user is None or fixed >= max_length:
-            raise DataError(f"the chat template and the answer take {fixed} tokens, leaving no room for the prompt "
-                            f"within max_length={max_length}")
+            raise no_room("the chat template and the answer", fixed, "the prompt", max_length)
         kept_contents[user] = kept_contents[user][: max_length - fixed]
     return _assemble(kept, kept_contents, pieces, end, generation_only, len(turns) - len(kept))
 

@@ -41,6 +41,9 @@ def read_table(path: str, columns: Sequence[str]) -> dict[str, list]:
     builder = _BUILDERS.get(p.suffix.lower())
     if builder is None:
         raise ConfigError(f"data file {p.name!r}: the extension must be one of {', '.join(_BUILDERS)}")
+    if p.suffix.lower() in (".json", ".jsonl") and not p.read_bytes().lstrip(b"\xef\xbb\xbf \t\r\n"):
+        # datasets' JSON reader stops with a bare StopIteration on a file with no record; CSV says this too.
+        raise DataError(f"data file {str(p)!r}: the file is empty (expected JSON records)")
     kwargs = {"delimiter": "\t"} if p.suffix.lower() == ".tsv" else {}
     datasets.disable_progress_bars()
     verbosity = datasets.logging.get_verbosity()
@@ -169,6 +172,44 @@ def row_name(split: str, cols: dict[str, list], index: int) -> str:
         return f"{split} row {index}"
     path, row = sources[index]
     return f"data file {str(path)!r} row {row} ({split} split)"
+
+
+def row_text(value: object, name: str, blank_ok: bool = False) -> str:
+    """One text cell of a row, checked: the one rule every data module applies to its text columns.
+
+    ``datasets`` gives a JSON ``null``, a missing key or an empty CSV cell back as ``None``; ``str(None)`` would
+    train on the text "None", so such a row is refused instead (the caller names the row, with :func:`row_name`).
+
+    Args:
+        value: The cell as read.
+        name: What the cell is, for the message (``prompt``, ``response``, ``text``).
+        blank_ok: Accept an empty or whitespace-only string (a prompt may be empty; an answer may not).
+
+    Returns:
+        The cell as text.
+
+    Raises:
+        DataError: For a missing value, a list or dict, or (unless ``blank_ok``) blank text.
+    """
+    if isinstance(value, (list, dict)):
+        raise DataError(f"the {name} is a {type(value).__name__}, expected text (for conversational turns use a "
+                        "`messages` column)")
+    if value is None or (not blank_ok and not str(value).strip()):
+        raise DataError(f"the {name} is empty")
+    return str(value)
+
+
+def no_room(taken_by: str, tokens: int, left_for: str, max_length: int) -> DataError:
+    """The error of a row whose fixed part leaves nothing of the part that must be kept within ``max_length``.
+
+    Args:
+        taken_by: What fills the room (``the prompt``, ``the chat template and the answer``).
+        tokens: How many tokens it takes.
+        left_for: What gets no room (``the response``, ``the prompt``).
+        max_length: The data module's ``max_length``.
+    """
+    return DataError(f"{taken_by} take{'' if ' and ' in taken_by else 's'} {tokens} tokens, leaving no room for "
+                     f"{left_for} within max_length={max_length}")
 
 
 def read_splits(files: dict[str, str | None], columns: Sequence[str], val_fraction: float,
