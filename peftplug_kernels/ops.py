@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from peftplug_kernels import dispatch_table, library
+from peftplug_kernels._function_guards import call_without_autocast
 from peftplug_kernels._triton_available import triton_available, triton_usable
 from peftplug_kernels.block_rotate import reference as _rotate_ref
 from peftplug_kernels.cayley_neumann import reference as _cn_ref
@@ -70,11 +71,16 @@ def resolve_impl(impl: str, *tensors: torch.Tensor, op: str = "block_rotate") ->
     _check_impl(impl)
     if impl == "torch":
         return "torch"
+    # The kernels compute in fp32 (fp16/bf16/fp32 in): an fp64 tensor gets the torch path, or an error when forced.
+    fp64 = any(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in tensors)
     if impl == "auto":
         devices = [t.device for t in tensors if isinstance(t, torch.Tensor)]
-        if not devices or not all(d.type == "cuda" for d in devices) or not triton_available():
+        if fp64 or not devices or not all(d.type == "cuda" for d in devices) or not triton_available():
             return "torch"
         return dispatch_table.kernel_choice(_TABLE_OP.get(op, op), devices[0])
+    if fp64:
+        raise RuntimeError("impl='triton' cannot run here: the Triton kernels compute in fp32 and take fp16, bf16 or "
+                           "fp32 tensors, got float64 (impl='auto' runs the torch path for it)")
     ok, why = triton_usable(op, *tensors)
     if not ok:
         raise RuntimeError(f"impl='triton' cannot run here: {why}")
@@ -128,7 +134,7 @@ def cayley_neumann(
     if kernel_fits and _resolved(impl, "cayley_neumann", q_vec) == "triton":
         return library.cayley_neumann(q_vec, block_size, terms, form)
     _check_impl(impl)
-    return _cn_ref.cayley_neumann(q_vec, block_size, terms=terms, form=form)
+    return call_without_autocast(q_vec.device.type, _cn_ref.cayley_neumann, q_vec, block_size, terms=terms, form=form)
 
 
 def _check_rotation(width: int, rotation: torch.Tensor) -> None:
@@ -153,7 +159,7 @@ def block_rotate(x: torch.Tensor, rotation: torch.Tensor, impl: str = "auto") ->
     _check_rotation(x.shape[-1], rotation)
     if _resolved(impl, "block_rotate", x, rotation) == "triton":
         return library.block_rotate(x, rotation)
-    return _rotate_ref.block_rotate(x, rotation)
+    return call_without_autocast(x.device.type, _rotate_ref.block_rotate, x, rotation)
 
 
 def cayley_rotate(
@@ -189,7 +195,8 @@ def cayley_rotate(
         raise ValueError(
             f"{rows} blocks of size {block_size} do not fit input width {width} (rows must be 1 or width / block_size)"
         )
-    if cayley_impl == "torch" and rotate_impl == "torch" and _lean.supports(form, terms):
+    # (A 1-wide block has no triangle, R = I: the composed references handle it, the Function's tables do not.)
+    if cayley_impl == "torch" and rotate_impl == "torch" and _lean.supports(form, terms) and block_size >= 2:
         if q_vec.dim() != 2 or q_vec.shape[-1] != _cn_ref.triangle_size(block_size):
             raise ValueError(
                 f"q_vec must be [n_blocks, {_cn_ref.triangle_size(block_size)}] for block_size {block_size}, "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from peftplug_kernels._autocast import autocast_off, autocast_off_backward
+from peftplug_kernels._function_guards import guarded_backward, guarded_forward
 from peftplug_kernels._triton_available import load_kernel_module
 
 
@@ -26,7 +26,7 @@ class BlockRotateFunction(torch.autograd.Function):
     (under ``torch.compile`` the custom op ``torch.ops.peftplug.block_rotate`` runs instead)."""
 
     @staticmethod
-    @autocast_off
+    @guarded_forward
     def forward(ctx, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
         kernel = load_kernel_module("block_rotate")
         rotation_c = rotation.contiguous()
@@ -36,7 +36,7 @@ class BlockRotateFunction(torch.autograd.Function):
         return kernel.block_matmul(x2, rotation_c).reshape(x.shape)
 
     @staticmethod
-    @autocast_off_backward
+    @guarded_backward
     def backward(ctx, grad_out: torch.Tensor):
         kernel = load_kernel_module("block_rotate")
         x2, rotation = ctx.saved_tensors

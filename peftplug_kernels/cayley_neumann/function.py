@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from peftplug_kernels._autocast import autocast_off, autocast_off_backward
+from peftplug_kernels._function_guards import guarded_backward, guarded_forward
 from peftplug_kernels._triton_available import load_kernel_module
 
 
@@ -12,7 +12,7 @@ class CayleyNeumannFunction(torch.autograd.Function):
     """``CayleyNeumannFunction.apply(q_vec, block_size, terms, form)`` -> ``[n_blocks, b, b]``."""
 
     @staticmethod
-    @autocast_off
+    @guarded_forward
     def forward(ctx, q_vec: torch.Tensor, block_size: int, terms: int, form: str) -> torch.Tensor:
         kernel = load_kernel_module("cayley_neumann")
         q_c = q_vec.contiguous()
@@ -21,7 +21,7 @@ class CayleyNeumannFunction(torch.autograd.Function):
         return kernel.cayley_neumann_forward(q_c, block_size, terms, form)
 
     @staticmethod
-    @autocast_off_backward
+    @guarded_backward
     def backward(ctx, grad_r: torch.Tensor):
         (q_c,) = ctx.saved_tensors
         grad_q = None

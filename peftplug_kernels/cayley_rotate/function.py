@@ -41,7 +41,7 @@ import functools
 
 import torch
 
-from peftplug_kernels._autocast import autocast_off, autocast_off_backward
+from peftplug_kernels._function_guards import guarded_backward, guarded_forward
 
 #: Highest number of series terms (``neumann_terms``) with a program here: powers up to Q⁴.
 MAX_TERMS = 5
@@ -320,7 +320,7 @@ class CayleyRotateFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    @autocast_off
+    @guarded_forward
     def forward(ctx, x, q_vec, block_size, terms, keep):
         n_blocks = x.shape[-1] // block_size
         # The triangles' dtype (fp32 for half-precision layers), or fp64 when x is: as the references compute.
@@ -335,7 +335,7 @@ class CayleyRotateFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @autocast_off_backward
+    @guarded_backward
     def backward(ctx, grad_out):
         x, q, r, keep, *saved = ctx.saved_tensors
         n_blocks, block = ctx.n_blocks, ctx.block_size

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from peftplug_kernels._autocast import autocast_off, autocast_off_backward
+from peftplug_kernels._function_guards import guarded_backward, guarded_forward
 from peftplug_kernels.cayley_neumann.reference import triangle_size
 
 from .function import (
@@ -61,7 +61,7 @@ class StackedRotationFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    @autocast_off
+    @guarded_forward
     def forward(ctx, block_size, terms, *tensors):
         *q_vecs, keep = tensors
         # Joined first, then cast once: half-precision triangles cost one cast for all layers, not one each.
@@ -74,7 +74,7 @@ class StackedRotationFunction(torch.autograd.Function):
         return r
 
     @staticmethod
-    @autocast_off_backward
+    @guarded_backward
     def backward(ctx, grad_r):
         q, keep, *saved = ctx.saved_tensors
         if keep is not None:
@@ -133,7 +133,7 @@ class RotateByFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    @autocast_off
+    @guarded_forward
     def forward(ctx, x, r):
         n_blocks = x.shape[-1] // r.shape[-1]
         ctx.save_for_backward(x, r)
@@ -141,7 +141,7 @@ class RotateByFunction(torch.autograd.Function):
         return _rotate(_cast(x, r.dtype), r, n_blocks, x.dtype)
 
     @staticmethod
-    @autocast_off_backward
+    @guarded_backward
     def backward(ctx, grad_out):
         x, r = ctx.saved_tensors
         g = _cast(grad_out, r.dtype)
@@ -173,7 +173,7 @@ def rotate_by(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     width = x.shape[-1]
     if r.dim() != 3 or width % block or rows not in (1, width // block):
         raise ValueError(f"rotation {tuple(r.shape)} does not tile input width {width}")
-    # Under autocast the plain products would run in its dtype: the Function keeps the blocks' (_autocast.py).
+    # Under autocast the plain products would run in its dtype: the Function keeps the blocks' (_function_guards.py).
     if x.dtype != r.dtype or torch.is_autocast_enabled(x.device.type):
         return RotateByFunction.apply(x, r)
     if rows == 1:  # one block for the whole width: a single 2-D product

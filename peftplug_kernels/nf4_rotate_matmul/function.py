@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from peftplug_kernels._autocast import autocast_off, autocast_off_backward
+from peftplug_kernels._function_guards import guarded_backward, guarded_forward
 from peftplug_kernels._triton_available import load_kernel_module
 from peftplug_kernels.block_rotate.function import flat_rows
 
@@ -19,7 +19,7 @@ class NF4RotateMatmulFunction(torch.autograd.Function):
     """``NF4RotateMatmulFunction.apply(x, rotation, weight, quant_state, bias)`` -> ``[..., out]``."""
 
     @staticmethod
-    @autocast_off
+    @guarded_forward
     def forward(ctx, x, rotation, weight, quant_state, bias):
         fused = load_kernel_module("nf4_rotate_matmul")
         x2 = flat_rows(x)
@@ -31,7 +31,7 @@ class NF4RotateMatmulFunction(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
-    @autocast_off_backward
+    @guarded_backward
     def backward(ctx, grad_out):
         rotate = load_kernel_module("block_rotate")
         fused = load_kernel_module("nf4_rotate_matmul")

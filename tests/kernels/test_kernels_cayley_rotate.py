@@ -188,3 +188,11 @@ def test_two_block_sizes_compile_in_one_graph():
     torch.testing.assert_close(loss, expected_loss)
     for got, want in zip(torch.autograd.grad(loss, inputs), expected):
         torch.testing.assert_close(got, want)
+
+
+def test_one_wide_blocks_are_the_identity_on_the_torch_path_as_on_auto():
+    # A 1-wide block has no triangle entries: R = I. The torch path crashed in its gather tables before.
+    x = torch.randn(2, 3)
+    q = torch.zeros(3, 0)
+    for impl in ("torch", "auto"):
+        torch.testing.assert_close(ops.cayley_rotate(x, q, 1, cayley_impl=impl, rotate_impl=impl), x, rtol=0, atol=0)

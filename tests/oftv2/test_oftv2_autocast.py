@@ -2,9 +2,11 @@
 
 The rotation keeps its own compute dtype under autocast: the input a base layer receives, and the gradient of the
 adapter through it, equal those computed without autocast bit for bit, on every path (torch Function, shared
-block, stacked rotations, Triton in interpreter mode), with ``backward()`` called inside the autocast block or after
-it. Before the fix every one of these failed on the first step ("Expected out tensor to have dtype BFloat16").
-A Lightning ``bf16-mixed`` fit of the tiny Llama trains (QOFT on nf4 too), and a compiled model called under autocast equals eager.
+block, stacked rotations, Triton in interpreter mode, the composed references of the other forms), with
+``backward()`` called inside the autocast block or after it (inside it, the composed references' native backward
+follows autocast, as any model's does). Before the fix the Function paths failed on the first step ("Expected out
+tensor to have dtype BFloat16") and the references rotated in bf16. A Lightning ``bf16-mixed`` fit of the tiny
+Llama trains (QOFT on nf4 too), and a compiled model called under autocast equals eager.
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ PATHS = {
     "block_share": {"kernel_impl": "torch", "block_share": True},
     "stacked": {"kernel_impl": "torch", "stack_rotations": True},
     "triton": {"kernel_impl": "triton"},
+    # The composed references (no single Function): longer series, exact Cayley, PEFT's product form.
+    "terms6": {"kernel_impl": "torch", "neumann_terms": 6},
+    "exact_cayley": {"kernel_impl": "torch", "orthogonalization": "cayley"},
+    "peft_cn": {"kernel_impl": "torch", "orthogonalization": "peft_cn"},
 }
+# Paths whose backward is PyTorch's own (native ops): called inside the autocast block it runs in autocast's dtype,
+# as it would for any model (PyTorch advises against backward under autocast). Our hand-written backwards do not.
+NATIVE_BACKWARD = {"terms6", "exact_cayley", "peft_cn"}
 
 
 class TwoLinear(nn.Module):
@@ -84,7 +93,10 @@ def test_rotation_under_autocast_equals_rotation_without(path, dtype, backward_i
     torch.testing.assert_close(inputs[0], ref_inputs[0], rtol=0, atol=0)
     assert inputs[1].dtype == torch.bfloat16 and ref_inputs[1].dtype == dtype
     name_a = next(n for n in grads if ".a." in n)
-    torch.testing.assert_close(grads[name_a], ref_grads[name_a], rtol=0, atol=0)
+    if backward_inside and path in NATIVE_BACKWARD:
+        assert (grads[name_a] - ref_grads[name_a]).norm() <= 0.05 * ref_grads[name_a].norm()
+    else:
+        torch.testing.assert_close(grads[name_a], ref_grads[name_a], rtol=0, atol=0)
     assert all(torch.isfinite(g).all() for g in grads.values())
 
 

@@ -1,4 +1,6 @@
-"""Autograd Functions of this package run with autocast off: they choose their own compute dtypes.
+"""What every autograd Function of this package wraps its forward and backward in: autocast off, first order only.
+
+Autocast. The Functions choose their own compute dtypes.
 
 Under ``torch.autocast`` (Lightning's ``precision: bf16-mixed``, HF ``Trainer(bf16=True)``) the products inside a
 Function would otherwise run in the autocast dtype while the buffers and operands the Function prepared stay in the
@@ -13,6 +15,12 @@ when the compiled callable entered autocast itself, and, entered unconditionally
 failed Inductor's lowering with mixed bf16/fp32 operands when a compiled model was called under autocast (as
 Lightning and HF ``Trainer`` call it). Unguarded, AOTAutograd traces the backward's products in the autocast dtype:
 compiled gradients then agree with eager ones to bf16 precision, not bit for bit (tests/oftv2/test_oftv2_autocast.py).
+
+First order only. The hand-written backwards compute from saved tensors without a graph of their own, so a
+``create_graph=True`` backward through them (Hessian-vector products, gradient penalties) gave wrong second
+derivatives silently on some paths and an unrelated error on others. An eager backward with grad mode on (which
+autograd sets only for ``create_graph=True``) now stops with one line saying so; ``torch.autograd.function.
+once_differentiable`` would say the same later, in the second backward, at the cost of a wrapper per call.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ def _first_device_type(args: tuple) -> str | None:
     return None
 
 
-def autocast_off(method: Callable) -> Callable:
+def guarded_forward(method: Callable) -> Callable:
     """Wraps an autograd Function's ``forward(ctx, ...)`` to run with autocast disabled on the device of its first
     tensor argument (no context is entered when autocast is off there).
 
@@ -49,18 +57,40 @@ def autocast_off(method: Callable) -> Callable:
     return run
 
 
-def autocast_off_backward(method: Callable) -> Callable:
-    """:func:`autocast_off` for a ``backward(ctx, ...)``, in eager mode only (module docstring).
+def guarded_backward(method: Callable) -> Callable:
+    """:func:`guarded_forward` for a ``backward(ctx, ...)``, in eager mode only, which also refuses
+    ``create_graph=True`` (module docstring).
 
     Args:
         method: The static method, taking ``ctx`` first.
     """
-    guarded = autocast_off(method)
+    guarded = guarded_forward(method)
 
     @functools.wraps(method)
     def run(ctx, *args):
         if torch.compiler.is_compiling():
             return method(ctx, *args)
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{type(ctx).__name__.removesuffix('Backward')}: peftplug's OFTv2 kernels have first-order gradients "
+                "only; a create_graph=True backward (double backward, Hessian-vector products) is not supported")
         return guarded(ctx, *args)
 
     return run
+
+
+def call_without_autocast(device_type: str, function: Callable, *args, **kwargs):
+    """``function(*args, **kwargs)`` with autocast disabled on ``device_type`` when it is on there: the composed
+    torch references (exact Cayley, PEFT's product form, longer series, ``block_rotate``'s reference) get the same
+    guard as the Functions above, since autocast would run their products in its dtype.
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"``, ...
+        function: The reference to call.
+        *args: Its positional arguments.
+        **kwargs: Its keyword arguments.
+    """
+    if torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return function(*args, **kwargs)
+    return function(*args, **kwargs)
