@@ -133,6 +133,8 @@ def check_betas(betas: Any) -> None:
         betas: The group's ``betas``.
     """
     def ok(b: Any) -> bool:
+        if isinstance(b, torch.Tensor) and b.numel() == 1 and b.is_floating_point():
+            b = b.item()  # torch.optim.Adam takes tensor betas too
         return isinstance(b, numbers.Real) and not isinstance(b, bool) and 0.0 <= b < 1.0
 
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(ok(b) for b in betas)):
@@ -159,8 +161,9 @@ class ZerothOrderOptimizer(Optimizer):
     ``step(closure)`` calls ``closure()`` (which must return the scalar batch loss and must not call
     ``backward``) two times per step (three on steps where the update rule needs the unperturbed loss), under
     ``torch.no_grad()``. It returns the step's loss ``(L+ + L−)/2`` as a 0-dim fp32 tensor. If the closure raises
-    (OOM, a data error, Ctrl-C), θ is put back as a skipped non-finite step would leave it (bit for bit; exactly
-    θ with master weights) and the seed generator rewound before the exception propagates.
+    (OOM, a data error, Ctrl-C), θ is put back before the exception propagates and the seed generator is rewound:
+    exactly with master weights; in place otherwise, by subtracting what was added (a raise during L− leaves θ as
+    a step skipped for a non-finite loss does, bit for bit; a raise during L+ within one rounding of θ).
 
     ``add_param_group`` works as at construction: the group's options are validated (same ValueErrors), masters
     are made for its parameters and per-group state (HELENE's scalar second moment) starts at 0.
@@ -189,6 +192,8 @@ class ZerothOrderOptimizer(Optimizer):
     def __init__(self, params, defaults: dict, *, eps: float, seed: int, master_weights: Any = "auto",
                  sync_seed: bool = True, perturbation: str = "gaussian"):
         check_real("eps", eps, low_open=True)
+        if isinstance(seed, float) and seed.is_integer():
+            seed = int(seed)  # 3.0 (YAML, arithmetic) was accepted before seeds were validated
         check_int("seed", seed, low=-(2**63))
         if master_weights not in _MASTER_CHOICES:
             raise ValueError(f"master_weights must be one of {_MASTER_CHOICES}, got {master_weights!r}")
@@ -462,7 +467,8 @@ class ZerothOrderOptimizer(Optimizer):
     def _abandon(self, seed: int, offsets: list[float], generator_state: torch.Tensor) -> None:
         """Undoes a step the closure raised in (OOM, a data error, Ctrl-C) before the exception propagates.
 
-        θ comes back as a skipped non-finite step leaves it (bit for bit), and the seed generator is rewound, so
+        θ comes back (exactly with masters; in place, a raise during L− as a skipped non-finite step leaves it and
+        one during L+ within one rounding), and the seed generator is rewound, so
         that retrying the batch takes the step the uninterrupted run would have taken. Only ``forward_passes``
         keeps the calls made.
         """

@@ -257,9 +257,16 @@ class SteeringModel(BaseTuner):
         names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
         for name in names:
             self._require(name)
-        for module in self.model.modules():
-            if isinstance(module, SteeringLayer):
-                module.set_adapter(names, inference_mode=inference_mode)
+        layers = [m for m in self.model.modules() if isinstance(m, SteeringLayer)]
+        if any(layer.merged for layer in layers):
+            # PEFT's convention (BaseTuner.set_adapter): a merged adapter would keep steering from the bias while
+            # another is reported active, so the model is unmerged first.
+            warnings.warn("Adapter cannot be set when the model is merged. Unmerging the model first.")
+            for layer in layers:
+                if layer.merged:
+                    layer.unmerge()
+        for layer in layers:
+            layer.set_adapter(names, inference_mode=inference_mode)
         self.active_adapter = names[0] if len(names) == 1 else names
 
     @contextlib.contextmanager

@@ -327,3 +327,18 @@ def test_fp64_masters_keep_fp64_precision():
 def test_a_master_is_never_less_precise_than_its_parameter(dtype, master_dtype):
     p = torch.nn.Parameter(torch.ones(2, dtype=dtype))
     assert Helene([p], master_weights=True).state[p]["master"].dtype == master_dtype
+
+
+@pytest.mark.parametrize("cls", [ZOAdam, Helene])
+def test_values_the_earlier_checks_accepted_still_step_alike(cls):
+    # torch.optim.Adam takes tensor betas, and an integral float seed (3.0) was accepted before validation existed:
+    # both must give the step of their plain counterparts.
+    runs = []
+    tensor_betas = (torch.tensor(0.9, dtype=torch.float64), torch.tensor(0.999, dtype=torch.float64))
+    for betas, seed in (((0.9, 0.999), 3), (tensor_betas, 3.0)):
+        model = mlp()
+        opt = cls(model.parameters(), lr=1e-2, betas=betas, seed=seed)
+        opt.step(closure(model, *data()))
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for plain, other in zip(*runs):
+        torch.testing.assert_close(other, plain)

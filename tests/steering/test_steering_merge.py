@@ -168,3 +168,19 @@ def test_merge_is_refused_for_a_family_without_a_known_bias():
     pm = _steer(_build("gptj"))  # registered without bias_proj
     with pytest.raises(ValueError, match="bias_proj"):
         pm.merge_and_unload()
+
+
+def test_activating_another_adapter_on_a_merged_model_unmerges_first():
+    # PEFT's convention (BaseTuner.set_adapter warns and unmerges): otherwise the merged adapter kept steering from
+    # the bias while only the new one was reported active.
+    vectors_b = {0: torch.randn(64, generator=torch.Generator().manual_seed(7))}
+    only_b = _logits(steering.steering_adapter(_build("llama"), vectors_b, adapter_name="b", multiplier=1.0))
+    only_a = _logits(_steer(_build("llama")))
+    model = _steer(_build("llama"))
+    model.merge_adapter()
+    with pytest.warns(UserWarning, match="Unmerging the model first"):
+        steering.steering_adapter(model, vectors_b, adapter_name="b", multiplier=1.0)
+    assert not any(layer.merged for layer in model.base_model.steering_layers().values())
+    torch.testing.assert_close(_logits(model), only_b, rtol=0, atol=1e-5)
+    model.base_model.set_adapter("default")
+    torch.testing.assert_close(_logits(model), only_a, rtol=0, atol=1e-5)
