@@ -23,7 +23,7 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from peftplug.fileio import atomic_write
+from peftplug.fileio import atomic_write, usual_mode
 
 
 def write_bytes_durably(path: str | os.PathLike, data: bytes) -> Path:
@@ -41,9 +41,7 @@ def write_bytes_durably(path: str | os.PathLike, data: bytes) -> Path:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a checkpoint should look like any new file
+        usual_mode(tmp, directory=False)
 
     atomic_write(target, write)
     try:

@@ -61,6 +61,27 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 
+def _flat(section: Any, prefix: str = "") -> dict[str, Any]:
+    """A config section (jsonargparse Namespace or dict) as ``{"a.b.c": value}``.
+
+    Args:
+        section: The section (``None``: empty).
+        prefix: Key prefix of ``section``.
+    """
+    if section is None:
+        return {}
+    items = section.as_dict() if hasattr(section, "as_dict") else section
+    if not isinstance(items, dict):
+        return {prefix.rstrip("."): items}
+    flat: dict[str, Any] = {}
+    for key, value in items.items():
+        if isinstance(value, dict) or hasattr(value, "as_dict"):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def _cli_classes():
     """Builds the CLI classes (imports Lightning; kept out of module import so ``--help`` of export is fast)."""
     from jsonargparse import ArgumentError
@@ -145,13 +166,17 @@ def _cli_classes():
                 read_checkpoint(ckpt_path, mmap=True)
                 if self.config[subcommand].get("weights_only", False) is None:
                     self.config[subcommand].weights_only = True  # what read_checkpoint just loaded it with
-            model = self.config[subcommand].get("model") if subcommand else None
-            if subcommand == "fit" and model is not None and model.get("model") is not None:
-                # Lightning would replace the recipe's and the command line's model settings with the checkpoint's
-                # hyperparameters, silently training the checkpoint's adapter instead of the configured one. The
-                # config's settings win; PeftModule.on_load_checkpoint refuses a checkpoint that does not fit them.
-                return
+            before = _flat(self.config[subcommand].get("model")) if subcommand else {}
             super()._parse_ckpt_path()
+            # Lightning's convention: the checkpoint's model settings replace the config's, so that the recipe alone
+            # resumes a run that had --model.* flags. A setting that the checkpoint changes is said, not silent.
+            after = _flat(self.config[subcommand].get("model")) if subcommand else {}
+            changed = [f"model.{k}: {before[k]!r} -> {after[k]!r}" for k in sorted(before)
+                       if k in after and before[k] != after[k] and before[k] is not None]
+            if changed:
+                shown = "; ".join(changed[:6]) + (f"; and {len(changed) - 6} more" if len(changed) > 6 else "")
+                print(f"peftplug: --ckpt_path: the checkpoint's model settings replace the config's: {shown}",
+                      file=sys.stderr, flush=True)
 
         def parse_arguments(self, parser: Any, args: Any) -> None:
             """Parses the arguments, remembering the command-line ones for :meth:`before_instantiate_classes`.

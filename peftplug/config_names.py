@@ -132,11 +132,15 @@ def _fits(value: Any, annotation: Any) -> bool:
     if origin in (typing.Union, types.UnionType):
         return any(_fits(value, a) for a in args)
     if origin is typing.Literal:
-        return value in args
+        # PEFT spells some open families as one placeholder ('pissa_niter_[number of iters]'): its prefix counts.
+        return value in args or (isinstance(value, str) and any(
+            isinstance(a, str) and "[" in a and value.startswith(a.split("[")[0]) for a in args))
     if annotation is bool:
         return isinstance(value, bool)
     if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        # Any number: PEFT annotates scalars it only divides by as int (lora_alpha: 16.0 works there). What this
+        # check is for is a string or a list where a number belongs.
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation is str:
@@ -175,7 +179,11 @@ def check_init_types(cls: type, values: dict, field: str) -> None:
         hints = typing.get_type_hints(cls)
     except Exception:  # noqa: BLE001  (an annotation that does not resolve: leave the check to the class)
         return
+    # A null is fine where the field's own default is None, whatever its annotation says (PEFT's token_dim: int = None).
+    none_defaults = {f.name for f in dataclasses.fields(cls) if f.default is None}
     for key, value in values.items():
+        if value is None and key in none_defaults:
+            continue
         if key in hints and not _fits(value, hints[key]):
             raise ConfigError(f"{field}.{key}: expected {_type_name(hints[key])}, got {type(value).__name__} "
                               f"{value!r}")

@@ -15,6 +15,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
+def usual_mode(path: str | os.PathLike, directory: bool = True) -> None:
+    """Gives a file or folder the mode a new one gets under the process umask (``mkstemp``/``mkdtemp`` make them
+    private, 0600/0700: an adapter, checkpoint or cached model meant for other users or a server would be unreadable).
+
+    Args:
+        path: The file or folder.
+        directory: Whether it is a folder (0777 before the umask) or a file (0666).
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o777 if directory else 0o666) & ~umask)
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Path:
     """Calls ``write(tmp_path)`` on a temporary file in ``path``'s directory, then renames it onto ``path``.
 
@@ -64,9 +77,7 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterat
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} exists")
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; the result should look like any new directory
+    usual_mode(staging)
     try:
         yield staging
         if target.exists():

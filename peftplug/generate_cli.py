@@ -132,9 +132,13 @@ class Generator:
             ConfigError: Naming both lengths and the limit.
         """
         limit = self.position_limit()
-        if limit is not None and prompt_tokens + max_new_tokens > limit:
-            raise ConfigError(f"the prompt is {prompt_tokens} tokens and --max_new_tokens {max_new_tokens}, but the "
-                              f"model has {limit} positions: shorten the prompt or lower --max_new_tokens")
+        # Prompt-learning adapters (prompt tuning, PCT, prefix ...) put their virtual tokens before the prompt.
+        config = getattr(self.module.model, "active_peft_config", None)
+        virtual = getattr(config, "num_virtual_tokens", 0) if getattr(config, "is_prompt_learning", False) else 0
+        if limit is not None and virtual + prompt_tokens + max_new_tokens > limit:
+            extra = f" after the adapter's {virtual} virtual tokens" if virtual else ""
+            raise ConfigError(f"the prompt is {prompt_tokens} tokens{extra} and --max_new_tokens {max_new_tokens}, "
+                              f"but the model has {limit} positions: shorten the prompt or lower --max_new_tokens")
 
 
 # Names of learned absolute position tables in transformers' models.

@@ -26,3 +26,7 @@ def test_processes_reuse_one_folder_and_leave_no_temporary_one(tmp_path):
     assert all(path.startswith(str(cache / "built")) for path in first)
     assert list(tmp.iterdir()) == []
     assert sorted(p.name for p in (cache / "built").iterdir()) == sorted(os.path.basename(p) for p in first)
+    # The folders have the mode of any new folder under the umask, not mkdtemp's 0700: a cache may be shared.
+    umask = os.umask(0)
+    os.umask(umask)
+    assert all(os.stat(p).st_mode & 0o777 == 0o777 & ~umask for p in first)

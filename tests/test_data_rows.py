@@ -126,3 +126,27 @@ def test_a_held_out_evaluation_that_counts_nothing_says_so(tmp_path, capsys, mon
     assert main(["fit", "--config", str(tmp_path / "c.yaml"), "--evaluate_after_fit", "true"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == "held-out evaluation: 0 examples counted (no held-out row has a target token)", out[-3:]
+
+
+def test_csv_cells_that_pandas_would_call_missing_are_text(tmp_path):
+    # NA, N/A, None, null are answers, not missing cells; only a cell with nothing in it is empty.
+    lines = ["prompt,response"] + [f"q{i},{word}" for i, word in enumerate(["NA", "N/A", "None", "null", "nan", "ok"])]
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
+    data = CausalLMData(train_file=str(tmp_path / "t.csv"), validation_file=str(tmp_path / "t.csv"),
+                        tokenizer="tiny:llama", **PAIRS)
+    data.setup()
+    assert len(data.splits["train"]) == 6
+    (tmp_path / "e.csv").write_text("prompt,response\nq0,ok\nq1,\n")
+    with pytest.raises(DataError, match=r"row 2 \(train split\): the response is empty"):
+        CausalLMData(train_file=str(tmp_path / "e.csv"), validation_file=str(tmp_path / "t.csv"),
+                     tokenizer="tiny:llama", **PAIRS).setup()
+
+
+def test_a_json_file_after_a_long_blank_start_is_not_empty(tmp_path):
+    # The emptiness check reads up to the first byte that is not whitespace, in chunks, not the whole file.
+    rows = _good()
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n" * 200_000 + "\n".join(json.dumps(r) for r in rows) + "\n")
+    data = CausalLMData(train_file=str(path), validation_file=str(path), tokenizer="tiny:llama", **PAIRS)
+    data.setup()
+    assert len(data.splits["train"]) == len(rows)

@@ -62,3 +62,18 @@ def test_well_typed_values_still_build():
     config = build_peft_config({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0, "bias": "none",
                                 "target_modules": "q_proj|v_proj", "init_lora_weights": "gaussian"}, "causal_lm")
     assert config.r == 4 and config.lora_dropout == 0
+
+
+@pytest.mark.parametrize("spec", [
+    # PEFT annotates lora_alpha as int but only divides by it: a float works there and ran before the check existed.
+    {"peft_type": "LORA", "r": 4, "lora_alpha": 16.0, "target_modules": ["q_proj"]},
+    # An open family PEFT's Literal spells as one placeholder, 'pissa_niter_[number of iters]'.
+    {"peft_type": "LORA", "r": 4, "init_lora_weights": "pissa_niter_2", "target_modules": ["q_proj"]},
+    # A null where the field's default is None, though annotated int.
+    {"peft_type": "PROMPT_TUNING", "num_virtual_tokens": 4, "token_dim": None},
+])
+def test_values_peft_accepts_are_not_refused(spec):
+    config = build_peft_config(dict(spec), "causal_lm")
+    for key, value in spec.items():
+        if key != "peft_type":
+            assert getattr(config, key) == (set(value) if key == "target_modules" else value), key

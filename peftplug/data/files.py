@@ -16,6 +16,20 @@ from peftplug.errors import ConfigError, DataError, MissingFileError, one_line
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
 
 
+def _blank(path: Path, chunk: int = 1 << 16) -> bool:
+    """Whether a file holds nothing but a byte-order mark and whitespace, read up to its first other byte (not whole:
+    data files can be gigabytes)."""
+    with path.open("rb") as f:
+        head = f.read(chunk)
+        if head.startswith(b"\xef\xbb\xbf"):
+            head = head[3:]
+        while head:
+            if head.strip(b" \t\r\n"):
+                return False
+            head = f.read(chunk)
+    return True
+
+
 def read_table(path: str, columns: Sequence[str]) -> dict[str, list]:
     """Reads the named columns of a local JSON/JSONL/CSV/TSV/Parquet file with ``datasets``.
 
@@ -41,10 +55,14 @@ def read_table(path: str, columns: Sequence[str]) -> dict[str, list]:
     builder = _BUILDERS.get(p.suffix.lower())
     if builder is None:
         raise ConfigError(f"data file {p.name!r}: the extension must be one of {', '.join(_BUILDERS)}")
-    if p.suffix.lower() in (".json", ".jsonl") and not p.read_bytes().lstrip(b"\xef\xbb\xbf \t\r\n"):
+    if p.suffix.lower() in (".json", ".jsonl") and _blank(p):
         # datasets' JSON reader stops with a bare StopIteration on a file with no record; CSV says this too.
         raise DataError(f"data file {str(p)!r}: the file is empty (expected JSON records)")
     kwargs = {"delimiter": "\t"} if p.suffix.lower() == ".tsv" else {}
+    if p.suffix.lower() in (".csv", ".tsv"):
+        # pandas would read the cells NA, N/A, None, null, nan ... as missing, and such a row would be refused as
+        # empty; only a cell with nothing in it is missing here.
+        kwargs["keep_default_na"] = False
     datasets.disable_progress_bars()
     verbosity = datasets.logging.get_verbosity()
     # The builders log their parse failure before raising; the DataError below says it once, with the line.
