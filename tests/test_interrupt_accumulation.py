@@ -13,6 +13,7 @@ import lightning
 import pytest
 import torch
 import yaml
+from test_resume import _adapter
 
 from peftplug.cli import cli
 
@@ -53,10 +54,6 @@ def _recipe(root: Path) -> Path:
     path.write_text(yaml.safe_dump(recipe))
     return path
 
-
-def _adapter(done) -> dict[str, torch.Tensor]:
-    keys = set(done.model.adapter_state_keys())
-    return {k: v.detach().clone() for k, v in done.model.state_dict().items() if k in keys}
 
 
 @pytest.fixture(autouse=True)

@@ -62,10 +62,12 @@ def function_bodies(layers: int, width: int, tokens: int):
     q_vec = 0.01 * torch.randn(width // BLOCK, BLOCK * (BLOCK - 1) // 2, generator=g)
 
     def run() -> None:
-        for _ in range(layers):
-            ctx = _Context()
-            CayleyRotateFunction.forward(ctx, x, q_vec, BLOCK, 5, None)
-            CayleyRotateFunction.backward(ctx, grad)
+        # Without grad mode, as autograd runs a backward (its guard refuses create_graph=True otherwise).
+        with torch.no_grad():
+            for _ in range(layers):
+                ctx = _Context()
+                CayleyRotateFunction.forward(ctx, x, q_vec, BLOCK, 5, None)
+                CayleyRotateFunction.backward(ctx, grad)
 
     return run
 
