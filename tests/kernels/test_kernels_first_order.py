@@ -14,10 +14,10 @@ from peftplug_kernels.cayley_rotate.stacked import rotate_by, stacked_rotations
 BLOCK = 4
 
 
-def _inputs(dtype=torch.float64):
+def _inputs(device="cpu", dtype=torch.float64):
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 8, generator=gen, dtype=dtype, requires_grad=True)
-    q = (0.1 * torch.randn(2, BLOCK * (BLOCK - 1) // 2, generator=gen, dtype=dtype)).requires_grad_()
+    x = torch.randn(3, 8, generator=gen, dtype=dtype).to(device).requires_grad_()
+    q = (0.1 * torch.randn(2, BLOCK * (BLOCK - 1) // 2, generator=gen, dtype=dtype)).to(device).requires_grad_()
     return x, q
 
 
@@ -46,8 +46,9 @@ PATHS = {"torch": _torch_path, "stacked": _stacked, "triton-rotate": _triton_rot
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-def test_create_graph_backward_is_refused_in_one_line(path):
-    x, q = _inputs()
+def test_create_graph_backward_is_refused_in_one_line(path, device):
+    # (device: the Triton paths run where the kernel tests run, CPU interpreter or CUDA.)
+    x, q = _inputs(device)
     loss = PATHS[path](x, q).pow(3).sum()
     with pytest.raises(RuntimeError, match="first-order gradients only; a create_graph=True backward"):
         torch.autograd.grad(loss, q, create_graph=True)

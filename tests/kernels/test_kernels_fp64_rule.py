@@ -12,10 +12,10 @@ from peftplug_kernels import ops
 pytestmark = pytest.mark.usefixtures("needs_triton")
 
 
-def test_forced_triton_refuses_float64_in_one_line():
-    x = torch.randn(3, 8, dtype=torch.float64)
-    rotation = torch.eye(4, dtype=torch.float64).expand(2, 4, 4).contiguous()
-    q = torch.zeros(2, 6, dtype=torch.float64)
+def test_forced_triton_refuses_float64_in_one_line(device):
+    x = torch.randn(3, 8, dtype=torch.float64, device=device)
+    rotation = torch.eye(4, dtype=torch.float64, device=device).expand(2, 4, 4).contiguous()
+    q = torch.zeros(2, 6, dtype=torch.float64, device=device)
     with pytest.raises(RuntimeError, match="take fp16, bf16 or fp32 tensors, got float64"):
         ops.block_rotate(x, rotation, impl="triton")
     with pytest.raises(RuntimeError, match="got float64"):
