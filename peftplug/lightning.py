@@ -45,6 +45,7 @@ from peftplug.sharding import (
     shard_model,
     zeroth_order_loss,
 )
+from peftplug.trainer_checks import check_zeroth_order_trainer
 
 CHECKPOINT_KEY = "peftplug"
 CHECKPOINT_FORMAT = "adapter-only/1"
@@ -476,6 +477,8 @@ class PeftModule(L.LightningModule):
         else:
             optimizer = self.optimizer_factory(params)
         self.automatic_optimization = not getattr(optimizer, "is_zeroth_order", False)
+        if not self.automatic_optimization and self._trainer is not None:
+            check_zeroth_order_trainer(self.trainer)
         if hasattr(optimizer, "set_total_steps") and self._trainer is not None:
             # Lets schedules inside the optimizer (HELENE's annealing horizon "auto") follow the run's length.
             optimizer.set_total_steps(int(self.trainer.estimated_stepping_batches))

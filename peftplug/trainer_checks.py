@@ -153,3 +153,29 @@ def check_trainer_settings(accelerator: Any = "auto", strategy: Any = "auto", de
 
 
 __all__ = ["check_trainer_settings"]
+
+
+def check_zeroth_order_trainer(trainer: Any) -> None:
+    """Refuses trainer settings a zeroth-order run (manual optimization, one step per batch) cannot honour.
+
+    Both reached the run unrefused: PeftModule switches to manual optimization in ``configure_optimizers``, after
+    Lightning's own check of manual optimization against gradient accumulation has run.
+
+    - ``accumulate_grad_batches > 1``: every batch stepped anyway, while the run's length (HELENE's ``anneal_horizon:
+      auto``, scheduler lengths) was sized for one step per window: a OneCycleLR raised mid-run.
+    - A gradient scaler (``precision: 16-mixed`` on a GPU): Lightning's plugin runs the closure itself and then
+      unscales a loss that was never scaled (an ``AssertionError`` from ``GradScaler.unscale_``).
+
+    Args:
+        trainer: The Lightning trainer.
+
+    Raises:
+        ConfigError: Naming the setting and what to use instead.
+    """
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+    if accumulate != 1:
+        raise ConfigError(f"trainer.accumulate_grad_batches: a zeroth-order optimizer steps once per batch, got "
+                          f"{accumulate}; use 1 and a larger data.batch_size instead")
+    if getattr(getattr(trainer, "precision_plugin", None), "scaler", None) is not None:
+        raise ConfigError(f"trainer.precision: a zeroth-order optimizer takes no gradient scaler, got "
+                          f"{trainer.precision!r}; use bf16-mixed or 32-true")

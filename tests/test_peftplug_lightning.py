@@ -3,6 +3,7 @@ the zeroth-order hook (with a real two-point SPSA optimizer defined here)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -276,3 +277,23 @@ def test_bad_inputs_raise_clear_errors():
         PeftModule("tiny:llama", peft={"peft_type": "NOPE"})
     with pytest.raises(ConfigError, match="task must be one of"):
         PeftModule("tiny:llama", task="summarize")
+
+
+@pytest.mark.parametrize("trainer_kw, message", [
+    ({"accumulate_grad_batches": 2}, "trainer.accumulate_grad_batches: a zeroth-order optimizer steps once per batch"),
+    # Lightning's GPU 16-mixed plugin (with its GradScaler), built on the CPU: the same plugin code runs.
+    ({"plugins": "scaler"}, "trainer.precision: a zeroth-order optimizer takes no gradient scaler"),
+])
+def test_zeroth_order_refuses_settings_it_cannot_honour(tmp_path, instruction_file, trainer_kw, message):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    if trainer_kw.get("plugins") == "scaler":
+        trainer_kw = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+    module = PeftModule("tiny:llama", peft=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+                        optimizer=functools.partial(SPSA, lr=0.05, eps=1e-3, seed=7))
+    data = CausalLMData(train_file=str(instruction_file), prompt_column="prompt", response_column="response",
+                        batch_size=4, val_fraction=0.25)
+    before = _trainable(module)
+    with pytest.raises(ConfigError, match=message):
+        _trainer(tmp_path, max_steps=2, **trainer_kw).fit(module, datamodule=data)
+    assert all(torch.equal(before[n], p.detach()) for n, p in module.model.named_parameters() if n in before)
