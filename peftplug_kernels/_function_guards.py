@@ -49,10 +49,9 @@ def guarded_forward(method: Callable) -> Callable:
     @functools.wraps(method)
     def run(ctx, *args):
         device = _first_device_type(args)
-        if device is not None and torch.is_autocast_enabled(device):
-            with torch.autocast(device, enabled=False):
-                return method(ctx, *args)
-        return method(ctx, *args)
+        if device is None:
+            return method(ctx, *args)
+        return call_without_autocast(device, method, ctx, *args)
 
     return run
 
@@ -80,9 +79,9 @@ def guarded_backward(method: Callable) -> Callable:
 
 
 def call_without_autocast(device_type: str, function: Callable, *args, **kwargs):
-    """``function(*args, **kwargs)`` with autocast disabled on ``device_type`` when it is on there: the composed
-    torch references (exact Cayley, PEFT's product form, longer series, ``block_rotate``'s reference) get the same
-    guard as the Functions above, since autocast would run their products in its dtype.
+    """``function(*args, **kwargs)`` with autocast disabled on ``device_type`` when it is on there: the guard of the
+    Functions above, and of the composed torch references (exact Cayley, PEFT's product form, longer series,
+    ``block_rotate``'s reference), whose products autocast would run in its dtype.
 
     Args:
         device_type: ``"cpu"``, ``"cuda"``, ...
