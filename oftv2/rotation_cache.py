@@ -11,11 +11,10 @@ An entry is valid while the parameter is the same tensor at the same version (``
 writes under ``no_grad`` bump the version; moving the layer gives the parameter new storage, and the entry holds the
 old storage so its address cannot be reused), with the same settings and plan objects, and no ``torch.optim``
 optimizer has stepped since it was filled. The last condition is needed because the fused optimizers (``Adam``,
-``AdamW``, ``SGD`` ... with ``fused=True``) write the parameters in place without bumping their version: a global
-step post-hook (registered once, when the cache is first used) counts the steps of every torch optimizer, and an
-entry remembers the count it was filled at. Not seen: in-place writes through ``param.data`` outside an optimizer
-step, which bypass the version counter; after such writes call :func:`clear` (steering's cached vectors have the
-same rule). Switching a layer to training mode drops its entries. Eager only:
+``AdamW``, ``SGD`` ... with ``fused=True``) write the parameters in place without bumping their version: an entry
+remembers the global count of :mod:`peftplug.parameter_writes` it was filled at. Not seen: in-place writes through
+``param.data`` outside an optimizer step, which bypass the version counter; after such writes call
+:func:`peftplug.parameter_writes.parameters_written` (every model's caches, steering's too) or :func:`clear`. Switching a layer to training mode drops its entries. Eager only:
 under ``torch.compile`` the series is traced with the rest of the graph (dynamo cannot trace data pointers).
 """
 
@@ -25,40 +24,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from peftplug.parameter_writes import write_count
 
 #: Where a layer keeps its entries (in ``__dict__``, not a module attribute: no state_dict entry, no buffer).
 CACHE_ATTR = "_oftv2_inference_rotations"
 #: Set to ``False`` to compute the series on every forward again (an A/B of the cache: docs/benchmarks/oftv2_decode.md).
 ENABLED = True
-
-# Steps taken by any torch optimizer since the hook below was registered (it is registered once per process, on
-# the first cached forward). Entries filled at another count are stale: a fused step may have written their
-# parameter without bumping its version. A plain int read per lookup, so the check costs nothing per forward.
-_optimizer_steps = 0
-_step_hook: Any = None
-
-
-def _count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global optimizer step post-hook: one more step taken (by any optimizer, whatever its parameters).
-
-    Args:
-        optimizer: The optimizer that stepped.
-        args: Its step's positional arguments.
-        kwargs: Its step's keyword arguments.
-    """
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-def optimizer_steps() -> int:
-    """The global optimizer step count the cache keys its entries on (registers the counting hook on first call)."""
-    global _step_hook
-    if _step_hook is None:
-        # Lazily: a process that never uses the cache does not get a hook on every optimizer step. Steps before
-        # the registration do not matter, since no entry existed before it.
-        _step_hook = register_optimizer_step_post_hook(_count_step)
-    return _optimizer_steps
 
 
 def cache_usable(module: nn.Module) -> bool:
@@ -82,7 +54,7 @@ def cached_rotation(layer: Any, adapter_name: str, q_param: torch.Tensor, settin
     """
     cache = layer.__dict__.setdefault(CACHE_ATTR, {})
     entry = cache.get(adapter_name)
-    version, address, steps = q_param._version, q_param.data_ptr(), optimizer_steps()
+    version, address, steps = q_param._version, q_param.data_ptr(), write_count()
     if (entry is not None and entry[1] == version and entry[2] == address and entry[3] is settings
             and entry[4] is plan and entry[6] == steps):
         return entry[5]

@@ -8,6 +8,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
+from peftplug.parameter_writes import write_count
 from steering.config import SteeringConfig
 from steering.positions import NOTHING, SteeringContext
 
@@ -172,13 +173,17 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
         Built once and reused across decoding steps (no gradient is recorded then): the per-step work is then
         one (masked) add per adapter. The plan is checked against everything it was built from on each call,
         with plain dict/attribute reads only, so changing a vector, multiplier, policy or the active adapters
-        invalidates it.
+        invalidates it, and so does any optimizer step (fused ones write the vectors without bumping their
+        version) or a call of :func:`peftplug.parameter_writes.parameters_written`, which whoever writes the vectors
+        in place through ``param.data`` (bypassing the version counter) must make.
         """
         active = self._active_adapter
         if active.__class__ is not str:
             active = tuple(active)
         plan = self._plan
-        if plan is not None and plan[0] == active and plan[1] == dtype and plan[2] == self.merged_adapters:
+        writes = write_count()
+        if (plan is not None and plan[0] == active and plan[1] == dtype and plan[2] == self.merged_adapters
+                and plan[6] == writes):
             params = plan[5]  # the ParameterDict's own dict (a module attribute lookup costs more than the add)
             for name, param, version, ptr, m, policy, normalize, _ in plan[3]:
                 if (params.get(name) is not param or param._version != version or param.data_ptr() != ptr
@@ -201,7 +206,8 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
                             self.steer_normalize[name], delta))
         steps = [(e[5], e[7]) for e in entries]
         # Which adapters are merged (not how many): unmerge a, merge b keeps the count but changes what to add.
-        self._plan = (active, dtype, list(self.merged_adapters), entries, steps, self.steer_vector._parameters)
+        self._plan = (active, dtype, list(self.merged_adapters), entries, steps, self.steer_vector._parameters,
+                      writes)
         return steps
 
     def steer(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """DESIGN.md §2's one-way dependencies, checked on the source.
 
 1. At module level a method package imports only the leaves (``peftplug.registry``, ``peftplug.fileio``,
-   ``peftplug.errors``, ``peftplug.datadir``, ``peftplug.quantized_layout``, ``peftplug_kernels``), and the leaves
+   ``peftplug.errors``, ``peftplug.datadir``, ``peftplug.quantized_layout``, ``peftplug.optional``,
+   ``peftplug.parameter_writes``, ``peftplug.validation``, ``peftplug_kernels``), and the leaves
    import no package of ours but each other.
 2. No import circle between any two of the repository's ``.py`` files. Here an import inside a function counts
    too: it does not run when the module is imported, but it is still a dependency, and a circle of them is a knot a
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 METHOD_PACKAGES = ("oftv2", "helene", "prompt_transfer", "steering")
 OURS = {"peftplug", "peftplug_kernels", *METHOD_PACKAGES}
 LEAVES = {"peftplug.registry", "peftplug.fileio", "peftplug.errors", "peftplug.datadir", "peftplug.quantized_layout",
-          "peftplug.optional", "peftplug_kernels"}
+          "peftplug.optional", "peftplug.parameter_writes", "peftplug.validation", "peftplug_kernels"}
 #: Folders that are not the repository's code.
 SKIP_DIRS = {".venv", ".venv-compat", "runs", "build", "dist", "node_modules", "__pycache__"}
 MAX_LOOSE_BENCHMARK_MODULES = 3

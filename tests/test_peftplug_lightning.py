@@ -41,7 +41,7 @@ class SPSA(torch.optim.Optimizer):
         g = torch.Generator().manual_seed(seed)
         for group in self.param_groups:
             for p in group["params"]:
-                p.data.add_(torch.randn(p.shape, generator=g), alpha=scale(group))
+                p.add_(torch.randn(p.shape, generator=g), alpha=scale(group))  # under no_grad: bumps the version
 
     @torch.no_grad()
     def step(self, closure):

@@ -15,6 +15,7 @@ from oftv2_helpers import MixedLayers, randomize_q
 import oftv2
 from oftv2 import layer as oftv2_layer
 from oftv2 import rotation_cache, stacking
+from peftplug import parameter_writes
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -112,6 +113,10 @@ def test_every_change_of_the_parameter_or_its_settings_is_seen(tiny_model, token
         q.data.add_(0.05)  # bypasses the version counter: the documented case for clear()
     rotation_cache.clear(model)
     check("after clear")
+    with torch.no_grad():
+        q.data.add_(0.05)
+    parameter_writes.parameters_written()  # the process-wide remedy (steering's plans too)
+    check("after parameters_written")
 
 
 def test_training_neither_reads_nor_fills_the_cache_and_train_mode_drops_it(tiny_model, tokens, series_calls):

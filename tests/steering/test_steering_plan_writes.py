@@ -1,0 +1,80 @@
+"""Steering's decoding plan (the scaled vectors reused by forwards without autograd) follows every write to a vector:
+fused optimizer steps, which do not bump the version counter, and ``param.data`` writes marked by
+``peftplug.parameter_writes.parameters_written``."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+
+from peftplug import parameter_writes
+from steering import SteeringConfig
+
+
+def _model(tiny_model):
+    pm = peft.get_peft_model(tiny_model("llama"), SteeringConfig(layers=[0, 1], task_type="CAUSAL_LM"))
+    gen = torch.Generator().manual_seed(0)
+    hidden = pm.base_model.peft_config["default"].hidden_size
+    pm.base_model.set_vectors({layer: torch.randn(hidden, generator=gen) for layer in (0, 1)})
+    return pm.eval()
+
+
+def _planned(pm, ids):
+    """Logits from the decoding hot path (no autograd: the cached plan)."""
+    with torch.no_grad():
+        return pm(input_ids=ids).logits
+
+
+def _fresh(pm, ids):
+    """Logits with autograd on, which computes the vectors' contribution every forward (no plan)."""
+    with torch.enable_grad():
+        return pm(input_ids=ids).logits.detach()
+
+
+def _vectors(pm):
+    return [p for n, p in pm.named_parameters() if "steer_vector" in n]
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    pytest.param(lambda params: torch.optim.AdamW(params, lr=0.5, fused=True), id="adamw-fused"),
+    pytest.param(lambda params: torch.optim.SGD(params, lr=5.0, momentum=0.9, fused=True), id="sgd-fused"),
+    pytest.param(lambda params: torch.optim.Adam(params, lr=0.5, foreach=True), id="adam-foreach"),
+])
+def test_optimizer_step_between_evaluations_is_seen(tiny_model, make_optimizer):
+    torch.manual_seed(0)
+    pm = _model(tiny_model)
+    ids = torch.randint(1, 50, (2, 8))
+    before = _planned(pm, ids)  # fills the plan
+    optimizer = make_optimizer(_vectors(pm))
+    pm.train()
+    pm(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    pm.eval()
+    after = _planned(pm, ids)
+    assert not torch.allclose(after, before), "the step did not change the evaluated model"
+    torch.testing.assert_close(after, _fresh(pm, ids), rtol=1e-5, atol=1e-6)
+
+
+def test_data_writes_marked_by_parameters_written_are_seen(tiny_model):
+    torch.manual_seed(0)
+    pm = _model(tiny_model)
+    ids = torch.randint(1, 50, (2, 8))
+    before = _planned(pm, ids)
+    for p in _vectors(pm):
+        p.data.add_(1.0)  # bypasses the version counter, as some zeroth-order scripts perturb
+    parameter_writes.parameters_written()
+    after = _planned(pm, ids)
+    assert not torch.allclose(after, before)
+    torch.testing.assert_close(after, _fresh(pm, ids), rtol=1e-5, atol=1e-6)
+
+
+def test_unchanged_vectors_keep_the_plan(tiny_model):
+    """The plan is reused while nothing was written (the point of having one: no rebuild per decoded token)."""
+    pm = _model(tiny_model)
+    ids = torch.randint(1, 50, (1, 4))
+    _planned(pm, ids)
+    layer = next(m for m in pm.modules() if getattr(m, "_plan", None) is not None)
+    plan = layer._plan
+    _planned(pm, ids)
+    assert layer._plan is plan
