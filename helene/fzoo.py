@@ -65,7 +65,7 @@ class FZOO(ZerothOrderOptimizer):
 
     def __init__(self, params, lr: float = 1e-5, eps: float = 1e-3, n_probes: int = 8, weight_decay: float = 0.0,
                  seed: int = 0, master_weights="auto", sync_seed: bool = True, perturbation: str = "rademacher"):
-        check_int("n_probes (the std of one probe loss is 0)", n_probes, low=2)
+        check_int("n_probes", n_probes, low=2, hint="the std of one probe loss is 0")
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay}, eps=eps, seed=seed,
                          master_weights=master_weights, sync_seed=sync_seed, perturbation=perturbation)
         self.n_probes = int(n_probes)

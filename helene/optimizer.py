@@ -242,7 +242,7 @@ class Helene(ZerothOrderOptimizer):
             try:
                 check_real("anneal_horizon", anneal_horizon, low_open=True)
             except ValueError:
-                raise ValueError(f"anneal_horizon must be 'auto' or a finite float > 0, "
+                raise ValueError(f"anneal_horizon must be 'auto' or a finite real number > 0, "
                                  f"got {anneal_horizon!r}") from None
         check_int("batch_size", batch_size, low=1)
         check_real("rho", rho, low_open=True)
@@ -290,7 +290,7 @@ class Helene(ZerothOrderOptimizer):
         if isinstance(lam, Mapping) or callable(lam):
             # ValueError like every other bad option (TRY004 would want TypeError): callers catch one type.
             raise ValueError(  # noqa: TRY004
-                f"lam (clipping floor λ) must be a finite float >= 0, got {lam!r}: a mapping or function of "
+                f"lam (clipping floor λ) must be a finite real number >= 0, got {lam!r}: a mapping or function of "
                 "layer names needs layerwise='tensor' or 'block'")
         check_real("lam (clipping floor λ)", lam)
 

@@ -23,12 +23,14 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-import numbers
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
+
+from peftplug.validation import check_int
+from peftplug.validation import check_real as _check_real
 
 _HALF = (torch.float16, torch.bfloat16)
 _MASTER_CHOICES = ("auto", True, False)
@@ -80,69 +82,45 @@ def rademacher(shape: torch.Size, generator: torch.Generator, device: torch.devi
     return signs.view(-1)[:numel].view(shape)
 
 
-def _range_text(low: float, high: float, low_open: bool, high_open: bool) -> str:
-    if math.isinf(high):
-        return f"{'>' if low_open else '>='} {low:g}"
-    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-
-
-def check_real(name: str, value: Any, low: float = 0.0, high: float = math.inf, *, low_open: bool = False,
-               high_open: bool = True) -> float:
-    """Raises ValueError unless ``value`` is a finite real number (not a bool) in the given range.
-
-    One message for every numeric option, naming the field and the accepted range, so that a wrong type or an
-    infinite value fails at construction instead of as a TypeError or a non-finite parameter steps later.
+def check_real(name: str, value: Any, low: float | None = 0.0, high: float | None = None, *,
+               low_open: bool = False, high_open: bool = False) -> float:
+    """:func:`peftplug.validation.check_real` with the lower bound of most optimizer options, 0, as default.
 
     Args:
         name: The field's name, as the message shows it.
         value: The value to check.
-        low: Lower bound of the accepted range.
-        high: Upper bound (``inf``: none).
+        low: Lower bound of the accepted range (``None``: none).
+        high: Upper bound (``None``: none).
         low_open: Whether ``low`` itself is excluded.
-        high_open: Whether ``high`` itself is excluded (ignored when ``high`` is ``inf``).
+        high_open: Whether ``high`` itself is excluded.
 
     Returns:
         ``value`` as a float.
     """
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-    if not ok:
-        raise ValueError(f"{name} must be a finite float {_range_text(low, high, low_open, high_open)}, "
-                         f"got {value!r}")
-    return float(value)
-
-
-def check_int(name: str, value: Any, low: int) -> int:
-    """Raises ValueError unless ``value`` is an int (not a bool) >= ``low``.
-
-    Args:
-        name: The field's name, as the message shows it.
-        value: The value to check.
-        low: Smallest accepted value.
-    """
-    if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low):
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
+    return _check_real(name, value, low, high, low_open=low_open, high_open=high_open)
 
 
 def check_betas(betas: Any) -> None:
-    """Raises ValueError unless ``betas`` is a pair of finite floats in [0, 1).
+    """Raises ValueError unless ``betas`` is a pair of finite real numbers in [0, 1).
 
     Args:
         betas: The group's ``betas``.
     """
     def ok(b: Any) -> bool:
-        if isinstance(b, torch.Tensor) and b.numel() == 1 and b.is_floating_point():
-            b = b.item()  # torch.optim.Adam takes tensor betas too
-        return isinstance(b, numbers.Real) and not isinstance(b, bool) and 0.0 <= b < 1.0
+        if isinstance(b, torch.Tensor) and b.numel() == 1:
+            b = b.reshape(())  # torch.optim.Adam takes one-element tensor betas too
+        try:
+            check_real("betas", b, 0.0, 1.0, high_open=True)
+        except ValueError:
+            return False
+        return True
 
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(ok(b) for b in betas)):
-        raise ValueError(f"betas must be two finite floats in [0, 1), got {betas!r}")
+        raise ValueError(f"betas must be two finite real numbers in [0, 1), got {betas!r}")
 
 
 def check_lr_wd(group: dict) -> None:
-    """Raises ValueError unless the param group's ``lr`` and ``weight_decay`` are finite floats >= 0.
+    """Raises ValueError unless the param group's ``lr`` and ``weight_decay`` are finite real numbers >= 0.
 
     Args:
         group: A param group with ``lr`` and ``weight_decay``.

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 
 from peft.config import PromptLearningConfig
+
+from peftplug.validation import check_int, check_real, python_number
 
 FUSIONS = ("attention", "mean")
 
@@ -60,13 +61,13 @@ class PCTConfig(PromptLearningConfig):
 
         # The member exists once prompt_transfer is imported (the package registers it before using this class).
         self.peft_type = PeftType["PCT"]
-        if not (isinstance(self.attention_temperature, (int, float)) and self.attention_temperature > 0):
-            raise ValueError(f"attention_temperature must be > 0, got {self.attention_temperature!r}")
-        if not (isinstance(self.contrastive_temperature, (int, float)) and self.contrastive_temperature > 0):
-            raise ValueError(f"contrastive_temperature must be > 0, got {self.contrastive_temperature!r}")
-        if not (isinstance(self.contrastive_weight, (int, float)) and math.isfinite(self.contrastive_weight)
-                and self.contrastive_weight >= 0):
-            raise ValueError(f"contrastive_weight must be a finite number >= 0, got {self.contrastive_weight!r}")
+        check_real("attention_temperature", self.attention_temperature, low=0.0, low_open=True)
+        check_real("contrastive_temperature", self.contrastive_temperature, low=0.0, low_open=True)
+        check_real("contrastive_weight", self.contrastive_weight, low=0.0)
+        # A tensor or numpy value passes the checks; to_dict writes the config to JSON, which wants plain numbers.
+        self.attention_temperature, self.contrastive_temperature, self.contrastive_weight = (
+            python_number(v) for v in (self.attention_temperature, self.contrastive_temperature,
+                                       self.contrastive_weight))
         if self.fusion not in FUSIONS:
             raise ValueError(f"fusion must be one of {FUSIONS}, got {self.fusion!r}")
         if self.fusion == "mean" and not self.trainable_residual:
@@ -80,8 +81,9 @@ class PCTConfig(PromptLearningConfig):
                 "PCTConfig needs decomposition_path (a directory written by prompt_transfer.save_decomposition) "
                 f"or num_sources; got decomposition_path={self.decomposition_path!r} (missing or unreadable)"
             )
-        if self.num_sources is not None and (not isinstance(self.num_sources, int) or self.num_sources < 1):
-            raise ValueError(f"num_sources must be an int >= 1, got {self.num_sources!r}")
+        if self.num_sources is not None:
+            check_int("num_sources", self.num_sources, low=1)
+            self.num_sources = python_number(self.num_sources)
         if self.source_names is not None and not self.source_names:
             raise ValueError("source_names is empty: PCT needs at least one source prompt")
         if self.source_names is not None and len(self.source_names) != self.num_sources:

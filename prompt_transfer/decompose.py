@@ -19,8 +19,6 @@ The result is saved as ``decomposition.safetensors`` + ``decomposition.json`` (s
 from __future__ import annotations
 
 import json
-import math
-import numbers
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from peftplug.fileio import atomic_write
+from peftplug.validation import check_int, check_real, python_number
 
 TENSORS_FILE = "decomposition.safetensors"
 META_FILE = "decomposition.json"
@@ -171,11 +170,6 @@ def choose_rank(singular_values: torch.Tensor, explained_variance: float) -> int
     return min(found, len(singular_values))  # rounding can leave the last share a hair below the target
 
 
-def _is_number(value) -> bool:
-    # bool is an int subclass, but `rank: true` in a recipe is a mistake, not rank 1.
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def check_decompose_settings(
     num_sources: int,
     rank: int | None = None,
@@ -206,18 +200,13 @@ def check_decompose_settings(
     p = field_prefix
     if rank is not None and explained_variance is not None:
         raise ValueError(f"give {p}rank or {p}explained_variance, not both")
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= num_sources):
-        raise ValueError(f"{p}rank must be an int in [1, K={num_sources}] (K = number of source prompts), "
-                         f"got {rank!r}")
-    if explained_variance is not None and not (_is_number(explained_variance) and 0 < explained_variance <= 1):
-        raise ValueError(f"{p}explained_variance must be in (0, 1], got {explained_variance!r}")
-    if not (_is_number(contrastive_weight) and math.isfinite(contrastive_weight) and contrastive_weight >= 0):
-        raise ValueError(f"{p}contrastive_weight must be a finite number >= 0, got {contrastive_weight!r}")
-    if isinstance(contrastive_steps, bool) or not isinstance(contrastive_steps, int) or contrastive_steps < 0:
-        raise ValueError(f"{p}contrastive_steps must be an int >= 0, got {contrastive_steps!r}")
-    if not (_is_number(contrastive_temperature) and math.isfinite(contrastive_temperature)
-            and contrastive_temperature > 0):
-        raise ValueError(f"{p}contrastive_temperature must be a finite number > 0, got {contrastive_temperature!r}")
+    if rank is not None:
+        check_int(f"{p}rank", rank, 1, num_sources, hint=f"K = {num_sources}, the number of source prompts")
+    if explained_variance is not None:
+        check_real(f"{p}explained_variance", explained_variance, 0.0, 1.0, low_open=True)
+    check_real(f"{p}contrastive_weight", contrastive_weight, low=0.0)
+    check_int(f"{p}contrastive_steps", contrastive_steps, low=0)
+    check_real(f"{p}contrastive_temperature", contrastive_temperature, low=0.0, low_open=True)
 
 
 def decompose(
@@ -255,6 +244,10 @@ def decompose(
     k, length, dim = x3.shape
     check_decompose_settings(k, rank, explained_variance, contrastive_weight, contrastive_steps,
                              contrastive_temperature)
+    # A tensor or numpy setting passes the checks; the settings are written to JSON as plain numbers.
+    rank, explained_variance, contrastive_weight, contrastive_steps, contrastive_temperature = (
+        python_number(v) for v in (rank, explained_variance, contrastive_weight, contrastive_steps,
+                                   contrastive_temperature))
 
     x = x3.reshape(k, -1).double()  # float64 SVD: full-rank reconstruction is then exact to ~1e-12
     _, s, vh = torch.linalg.svd(x, full_matrices=False)

@@ -2,34 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from peft.config import PeftConfig
 
+from peftplug.validation import check_real
+
 OPERATORS = ("add", "ablate", "ablate_then_add")
 POSITIONS = ("all", "prompt", "generated", "from_last_prompt")
 HOOK_POINTS = ("block_output",)
 LAYER_CONVENTIONS = ("block_index",)
-
-
-def _finite(name: str, value) -> float:
-    """``value`` as a finite float, or a ``ValueError`` naming ``SteeringConfig.<name>`` and the accepted range.
-
-    Args:
-        name: Field name for the message.
-        value: The value given (a real number; strings and bools are refused rather than coerced).
-    """
-    number = None
-    if not isinstance(value, (str, bytes, bool)):
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            number = None
-    if number is None or not math.isfinite(number):
-        raise ValueError(f"SteeringConfig.{name} must be a finite real number (any sign), got {value!r}")
-    return number
 
 
 @dataclass
@@ -111,7 +94,7 @@ class SteeringConfig(PeftConfig):
         if len(set(layers)) != len(layers):
             raise ValueError(f"SteeringConfig.layers has duplicates: {layers}")
         self.layers = sorted(layers)
-        self.multiplier = _finite("multiplier", self.multiplier)
+        self.multiplier = check_real("SteeringConfig.multiplier", self.multiplier)
         if self.layer_multipliers is not None:
             if not isinstance(self.layer_multipliers, Mapping):
                 raise ValueError(
@@ -130,7 +113,7 @@ class SteeringConfig(PeftConfig):
                     raise ValueError(
                         f"SteeringConfig.layer_multipliers has layer {layer}, which is not in layers {self.layers}"
                     )
-                normalised[layer] = _finite(f"layer_multipliers[{layer}]", value)
+                normalised[layer] = check_real(f"SteeringConfig.layer_multipliers[{layer}]", value)
             self.layer_multipliers = normalised
         for name, value, accepted in (
             ("operator", self.operator, OPERATORS),

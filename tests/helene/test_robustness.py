@@ -297,7 +297,7 @@ def test_every_numeric_option_is_checked_with_a_value_error_naming_it(cls, kwarg
 
 
 def test_weight_decay_inf_never_reaches_the_parameters():
-    with pytest.raises(ValueError, match=r"weight_decay must be a finite float >= 0, got inf"):
+    with pytest.raises(ValueError, match=r"weight_decay must be a finite real number >= 0, got inf"):
         ZOSGD([torch.nn.Parameter(torch.ones(3))], lr=1e-3, weight_decay=float("inf"))
     with pytest.raises(ValueError, match="weight_decay"):
         layerwise_param_groups(mlp(), weight_decay=float("nan"))

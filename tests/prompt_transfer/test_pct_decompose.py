@@ -77,7 +77,7 @@ def test_single_source_edge_case():
     torch.testing.assert_close(dec.p0, prompt, atol=1e-5, rtol=0)
     assert torch.isfinite(dec.specific).all()
     torch.testing.assert_close(dec.reconstruct()[0], prompt, atol=1e-3, rtol=0)
-    with pytest.raises(ValueError, match=r"rank must be an int in \[1, K=1\]"):
+    with pytest.raises(ValueError, match=r"rank must be an int in \[1, 1\] \(K = 1, the number"):
         pt.decompose([prompt], rank=2)
 
 
@@ -89,19 +89,19 @@ def test_single_source_edge_case():
         ([torch.randn(3, 8), torch.randn(3, 9)], {}, "same .num_virtual_tokens, token_dim."),
         ([torch.randn(3, 8), torch.randn(4, 8)], {}, "same"),
         ([torch.randn(8)], {}, "must be 2-D"),
-        ([torch.randn(3, 8)] * 2, {"rank": 3}, r"rank must be an int in \[1, K=2\]"),
+        ([torch.randn(3, 8)] * 2, {"rank": 3}, r"rank must be an int in \[1, 2\] \(K = 2, the number"),
         ([torch.randn(3, 8)] * 2, {"rank": 0}, "rank must be"),
         ([torch.randn(3, 8)] * 2, {"rank": 1, "explained_variance": 0.9}, "not both"),
-        ([torch.randn(3, 8)] * 2, {"explained_variance": 1.5}, "explained_variance must be in"),
+        ([torch.randn(3, 8)] * 2, {"explained_variance": 1.5}, "explained_variance must be a finite real number in"),
         ([torch.randn(3, 8)] * 2, {"contrastive_weight": -1.0}, "contrastive_weight"),
         ([torch.randn(3, 8)] * 2, {"contrastive_temperature": 0.0}, "contrastive_temperature"),
         ([torch.full((3, 8), float("nan"))], {}, "NaN/Inf"),
         # Wrong types get the field's own message, not a bare TypeError or int() error.
-        ([torch.randn(3, 8)] * 2, {"rank": 1.5}, r"rank must be an int in \[1, K=2\]"),
-        ([torch.randn(3, 8)] * 2, {"rank": "two"}, r"rank must be an int in \[1, K=2\].*'two'"),
+        ([torch.randn(3, 8)] * 2, {"rank": 1.5}, r"rank must be an int in \[1, 2\] \(K = 2, the number"),
+        ([torch.randn(3, 8)] * 2, {"rank": "two"}, r"rank must be an int in \[1, 2\] \(K = 2, the number.*'two'"),
         ([torch.randn(3, 8)] * 2, {"rank": True}, "rank must be an int"),
-        ([torch.randn(3, 8)] * 2, {"explained_variance": "0.9"}, "explained_variance must be in"),
-        ([torch.randn(3, 8)] * 2, {"contrastive_weight": "0.1"}, "contrastive_weight must be a finite number"),
+        ([torch.randn(3, 8)] * 2, {"explained_variance": "0.9"}, "explained_variance must be a finite real number in"),
+        ([torch.randn(3, 8)] * 2, {"contrastive_weight": "0.1"}, "contrastive_weight must be a finite real number >= 0"),
         ([torch.randn(3, 8)] * 2, {"contrastive_steps": -5}, "contrastive_steps must be an int >= 0"),
         ([torch.randn(3, 8)] * 2, {"contrastive_steps": 2.5}, "contrastive_steps must be an int >= 0"),
     ],

@@ -201,7 +201,7 @@ def test_bad_input_leakage_models_temperature_and_empty_sources(sources, tiny_mo
         pt.source_base_model({"SST-2": adapters["SST-2"], "QQP": str(foreign)})
     # Temperature <= 0 and empty source lists name the field.
     for value in (0.0, -1.0):
-        with pytest.raises(ValueError, match="attention_temperature must be > 0"):
+        with pytest.raises(ValueError, match="attention_temperature must be a finite real number > 0"):
             pt.PCTConfig(task_type="CAUSAL_LM", decomposition_path=dec_dir, attention_temperature=value)
     with pytest.raises(ValueError, match="source_names is empty"):
         pt.PCTConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, num_sources=1, source_names=[])
