@@ -1,8 +1,9 @@
 """peftplug: OFTv2, HELENE, PCT and steering vectors as PEFT methods, trainable with Lightning.
 
-This module stays light: it imports neither Lightning nor any method package. Importing it installs the
-load hint (``peftplug.registry.install_load_hint``) so that loading an adapter whose plugin package was not
-imported says which package to import. ``peftplug.load_adapter`` (:func:`peftplug.adapter_loading.load_adapter`)
+This module stays light: it imports neither PEFT, Lightning nor any method package. Importing it installs the
+load hint (``peftplug.registry.install_load_hint``), at once if PEFT is imported already and else as soon as it
+is (``peftplug.peft_import_hook``), so that loading an adapter whose plugin package was not imported says which
+package to import. ``peftplug.load_adapter`` (:func:`peftplug.adapter_loading.load_adapter`)
 imports that package itself; it is imported on first use, so ``import peftplug`` stays light.
 """
 
@@ -14,9 +15,17 @@ from peftplug.quantized_layout import hide_unused_kernel_warning as _hide_unused
 
 _hide_unused_kernel_warning()
 
-from peftplug.registry import install_load_hint as _install_load_hint
+from peftplug.peft_import_hook import after_peft_import as _after_peft_import
 
-_install_load_hint()
+
+def _install_load_hint() -> None:
+    from peftplug.registry import install_load_hint
+
+    install_load_hint()
+
+
+# Not by importing PEFT here: the leaves under peftplug (fileio, validation, ...) serve torch-only packages too.
+_after_peft_import(_install_load_hint)
 
 
 def __getattr__(name: str):
