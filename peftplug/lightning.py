@@ -74,9 +74,10 @@ class PeftModule(L.LightningModule):
 
     Zeroth-order optimizers: if the optimizer has ``is_zeroth_order = True``, training uses manual optimization.
     Each step puts the model in eval mode (dropout off) and calls ``optimizer.step(closure)`` through Lightning,
-    where ``closure()`` returns the batch loss as an fp32 scalar computed without gradients (averaged across
-    ranks under DDP — the only communication); the optimizer returns the loss it wants logged, and must leave the
-    parameters unchanged when a closure value is not finite. The LR scheduler is then stepped once per step.
+    where ``closure()`` returns the first-order objective (batch loss plus the adapter's ``auxiliary_loss()``, e.g.
+    PCT's) as an fp32 scalar computed without gradients (averaged across ranks under DDP — the only communication);
+    the optimizer returns the loss it wants logged (``train_loss``: that objective), and must leave the parameters
+    unchanged when a closure value is not finite. The LR scheduler is then stepped once per step.
 
     Args:
         model: Model name or path (local directory, ``tiny:<family>``, packaged model such as
@@ -346,39 +347,38 @@ class PeftModule(L.LightningModule):
             # on_before_optimizer_step then drops the (zero) gradients so that no update happens.
             return sum((p * 0.0).sum() for p in self.model.parameters() if p.requires_grad)
         self.log("train_loss", loss.detach(), prog_bar=True)
-        loss = self._add_adapter_auxiliary_loss(loss)
+        loss = self._objective(loss, log=True)
         if self.task in CLASSIFICATION_TASKS:
             acc = (output.logits.detach().argmax(-1) == batch["labels"]).float().mean()
             self.log("train_acc", acc)
         return loss
 
-    def _active_prompt_encoder(self) -> torch.nn.Module | None:
-        encoders = getattr(self.model, "prompt_encoder", None)
-        name = getattr(self.model, "active_adapter", None)
-        if encoders is None or not isinstance(name, str) or name not in encoders:
-            return None
-        return encoders[name]
+    def _auxiliary_loss(self, log: bool = False) -> torch.Tensor | None:
+        """The active adapter's own loss term (e.g. PCT's contrastive term), or ``None``.
 
-    def _add_adapter_auxiliary_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Adds an adapter's own training objective (e.g. PCT's contrastive term) and logs its metrics.
-
-        Duck-typed, so the trainer needs no import of the method package: a prompt encoder may define
+        Duck-typed, so the trainer needs no import of the method package: the active prompt encoder may define
         ``auxiliary_loss() -> Tensor`` and ``training_metrics() -> dict[str, float]``.
 
         Args:
-            loss: The task loss of the step.
+            log: Also log ``aux_loss`` and the encoder's ``training_metrics()`` (once a step, at the unperturbed
+                parameters: never from inside a zeroth-order closure).
         """
-        encoder = self._active_prompt_encoder()
-        if encoder is None:
-            return loss
-        if hasattr(encoder, "training_metrics"):
+        encoders, name = getattr(self.model, "prompt_encoder", None), getattr(self.model, "active_adapter", None)
+        if encoders is None or not isinstance(name, str) or name not in encoders:
+            return None
+        encoder = encoders[name]
+        if log and hasattr(encoder, "training_metrics"):
             self.log_dict(encoder.training_metrics())
-        if hasattr(encoder, "auxiliary_loss"):
-            aux = encoder.auxiliary_loss()
-            if aux is not None:
-                self.log("aux_loss", aux.detach())
-                loss = loss + aux
-        return loss
+        aux = encoder.auxiliary_loss() if hasattr(encoder, "auxiliary_loss") else None
+        if log and aux is not None:
+            self.log("aux_loss", aux.detach())
+        return aux
+
+    def _objective(self, loss: torch.Tensor, log: bool = False) -> torch.Tensor:
+        """What first- and zeroth-order steps both minimise: the task ``loss`` plus :meth:`_auxiliary_loss` (to
+        which ``log`` is passed)."""
+        aux = self._auxiliary_loss(log)
+        return loss if aux is None else loss + aux
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Drops the gradients of a step whose loss was not finite, so the optimizer skips every parameter.
@@ -399,11 +399,13 @@ class PeftModule(L.LightningModule):
         world_size = self.trainer.world_size
 
         def closure() -> torch.Tensor:
-            loss = zeroth_order_loss(self.model, lambda: self(**batch).loss)
+            loss = zeroth_order_loss(self.model, lambda: self._objective(self(**batch).loss))
             if world_size > 1:
                 loss = self.trainer.strategy.reduce(loss, reduce_op="mean")
             return loss
 
+        with torch.no_grad():  # the closure logs nothing: log the adapter's metrics once, at θ
+            self._auxiliary_loss(log=True)
         loss = optimizer.step(closure=closure)
         scheduler = self.lr_schedulers()
         if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
