@@ -113,6 +113,19 @@ class ZeroOrderTrainer(Trainer):
             raise ValueError(f"gradient_accumulation_steps must be 1 for zeroth-order training, got {steps}: each "
                              "step evaluates one batch at perturbed parameters; use a larger batch instead")
 
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """Drops the accelerator's loss scaler (``fp16=True`` on a GPU), then returns the optimizer as usual.
+
+        A zeroth-order step runs no backward, so no loss is ever scaled; the optimizer wrapper that
+        ``accelerator.prepare`` builds next (right after this call) would still call ``GradScaler.step``, which
+        fails ("Attempted step but _scale is None"). fp16 autocast of the forwards stays on.
+
+        Args:
+            model: As in ``Trainer.create_optimizer``.
+        """
+        self.accelerator.scaler = None
+        return super().create_optimizer(model)
+
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         """Tells the optimizer the run's length (HELENE's annealing horizon), then builds the scheduler as usual.
 

@@ -143,3 +143,22 @@ def test_checkpoint_resume_equals_the_uninterrupted_run(tiny_model, tmp_path):
     assert opt.step_count == 4 and opt.forward_passes == 8
     for (n, p), q in zip(full.named_parameters(), model.parameters()):
         assert torch.equal(p.detach(), q.detach()), n
+
+
+def test_fp16_loss_scaler_is_dropped_and_training_runs(tiny_model, tmp_path):
+    """``fp16=True`` on a GPU gives the accelerator a GradScaler, whose step fails when no loss was ever scaled (a
+    zeroth-order step runs no backward). On CPU accelerate builds none, so the test gives it the same real
+    ``torch.amp.GradScaler`` a CUDA device gets, and the trainer must drop it before preparing the optimizer."""
+    from helene.hf import ZeroOrderTrainer
+
+    model = _model(tiny_model)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = MAKERS["zosgd"](list(model.named_parameters()))
+    trainer = ZeroOrderTrainer(model=model, args=_args(tmp_path, 2, fp16=True), train_dataset=_examples(_batches()),
+                               optimizers=(opt, None))
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+    trainer.train()
+    assert trainer.accelerator.scaler is None and opt.step_count == 2
+    logged = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    assert len(logged) == 2 and all(torch.isfinite(torch.tensor(logged)))
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
