@@ -19,9 +19,12 @@ from peftplug.peft_import_hook import after_peft_import as _after_peft_import
 
 
 def _install_load_hint() -> None:
-    from peftplug.registry import install_load_hint
+    import sys
 
-    install_load_hint()
+    # The registry installs the hint when its import ends. It may be what is importing PEFT right now (then it is
+    # only partly initialised, and importing a name from it here would fail): leave the hint to it then.
+    if "peftplug.registry" not in sys.modules:
+        import peftplug.registry  # noqa: F401
 
 
 # Not by importing PEFT here: the leaves under peftplug (fileio, validation, ...) serve torch-only packages too.

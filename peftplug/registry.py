@@ -320,3 +320,7 @@ def register_prompt_learning_method(name: str, config_cls: type, encoder_cls: ty
         _install_prompt_tuning_dispatch()
         _PROMPT_TUNING_LIKE.add(member.value)
     return member
+
+
+# Once per process, whoever imports this module first (``import peftplug`` arranges it for when PEFT is imported).
+install_load_hint()

@@ -43,3 +43,18 @@ def test_load_hint_installs_when_peft_is_first_imported_after_peftplug(run_fresh
     assert "WARNINGS []" in out, out
     assert "HINT True" in out, out
     assert "FAILING_CALLBACK True ['peftplug could not install its PEFT load hint: ZeroDivisionError: division by zero']" in out, out
+
+
+def test_registry_imported_first_installs_the_hint_without_a_warning(run_fresh):
+    """``import oftv2`` (any method package) imports ``peftplug.registry`` first, which imports PEFT while itself
+    half-initialised: the hook must leave the hint to the registry instead of importing from it."""
+    out = run_fresh("""
+        import warnings
+
+        warnings.simplefilter("error")
+        import peftplug.registry
+        from peft.config import PeftConfigMixin
+
+        print("INSTALLED", PeftConfigMixin._peftplug_hint_installed)
+    """, bare=True).stdout
+    assert "INSTALLED True" in out, out
