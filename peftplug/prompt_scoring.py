@@ -20,6 +20,9 @@ from peftplug.errors import DataError
 
 
 def _is_prompt_learning(model: torch.nn.Module) -> bool:
+    """Whether the model's active adapter is a prompt-learning one, and in effect (not in ``disable_adapter()``)."""
+    if getattr(model, "_adapters_disabled", False):
+        return False
     configs = getattr(model, "peft_config", None)
     name = getattr(model, "active_adapter", None)
     if not isinstance(configs, dict) or not isinstance(name, str) or name not in configs:
@@ -35,6 +38,8 @@ def label_word_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention
     multiplies the last hidden state by the label words' rows of the LM head only. Where that shortcut would be
     wrong — prompt-learning adapters (their virtual tokens are prepended by the PEFT wrapper), an adapted LM head,
     logit soft-capping — it falls back to the full model with ``logits_to_keep=1`` (full head, last position).
+    Under prompt tuning, p-tuning and prefix tuning too, every row sees the positions of its unpadded self (the
+    virtual tokens first, the text right after them), so the scores do not depend on the batch it is in.
 
     Args:
         model: A causal LM, optionally wrapped by PEFT.
@@ -51,17 +56,53 @@ def label_word_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention
                 and decoder is not lm and not hasattr(head, "base_layer")
                 and getattr(lm.config, "final_logit_softcapping", None) is None)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
-    if not (wrapped and lm is model):
-        # Positions counted over real tokens: a left-padded row then sees exactly the positions of its unpadded
-        # self (RoPE would only need relative positions; absolute position embeddings need this). PEFT's
-        # prompt-learning wrapper ignores position ids, so there the virtual tokens' distance to the text depends
-        # on the padding (a limitation of prompt tuning with left padding, not of this function).
-        inputs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+    # Positions counted over real tokens: a left-padded row then sees exactly the positions of its unpadded self
+    # (RoPE would only need relative positions; absolute position embeddings need this).
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+    if wrapped and lm is model:
+        prompt_learning = _prompt_learning_logits(model, inputs, positions)
+        if prompt_learning is not None:
+            return prompt_learning.index_select(-1, word_ids)
+    else:
+        inputs["position_ids"] = positions
     if not shortcut:
         return model(**inputs, logits_to_keep=1).logits[:, -1].index_select(-1, word_ids)
     hidden = decoder(**inputs).last_hidden_state[:, -1]
     bias = None if head.bias is None else head.bias.index_select(0, word_ids)
     return F.linear(hidden, head.weight.index_select(0, word_ids), bias)
+
+
+def _prompt_learning_logits(model: torch.nn.Module, inputs: dict, positions: torch.Tensor) -> torch.Tensor | None:
+    """Last-position logits under a prompt-learning adapter, each row positioned as if it were unpadded.
+
+    PEFT's wrapper puts the virtual tokens before the left padding: under prompt tuning it drops position ids, so
+    the positions count the padding and the text's distance to the virtual tokens (its logits) changed with the
+    longest row of the batch. Here the prompt embeddings (``get_prompt``, as the wrapper's forward prepends them:
+    prompt tuning, p-tuning, plugin types such as PCT) are prepended by hand and the base model gets position ids
+    that skip the padding; prefix tuning takes position ids through the wrapper (PEFT offsets them by the prefix).
+    Multitask prompt tuning and CPT return ``None``: the wrapper's forward.
+
+    Args:
+        model: A PEFT model whose active adapter is a prompt-learning one.
+        inputs: ``input_ids``, ``attention_mask`` (left-padded) and ``use_cache``.
+        positions: Each token's position among its row's real tokens.
+    """
+    config = model.peft_config[model.active_adapter]
+    kind = str(getattr(config.peft_type, "value", config.peft_type))
+    if kind == "PREFIX_TUNING":
+        return model(**inputs, position_ids=positions, logits_to_keep=1).logits[:, -1]
+    if kind in ("MULTITASK_PROMPT_TUNING", "CPT"):
+        return None  # task ids / CPT's own token handling: only the wrapper's forward knows them
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    embeds = model.word_embeddings(ids)
+    prompts = model.get_prompt(batch_size=ids.shape[0]).to(embeds.dtype)
+    virtual = prompts.shape[1]
+    # Padding masked out sits between the virtual tokens and the text; with these positions that is the same
+    # computation as the unpadded row (virtual tokens at 0..n-1, the text from n on).
+    positions = torch.cat([torch.arange(virtual, device=ids.device).expand(ids.shape[0], -1), positions + virtual], 1)
+    mask = torch.cat([mask.new_ones(ids.shape[0], virtual), mask], 1)
+    return model.base_model(inputs_embeds=torch.cat([prompts, embeds], 1), attention_mask=mask, position_ids=positions,
+                            use_cache=False, logits_to_keep=1).logits[:, -1]
 
 
 @dataclass

@@ -72,9 +72,9 @@ def test_label_word_loss_is_cross_entropy_over_the_restricted_full_logits(llama)
     torch.testing.assert_close(stacked.logits, out.logits)
 
 
-@pytest.mark.parametrize("adapter", ["lora", "lora_on_head", "prompt_tuning"])
+@pytest.mark.parametrize("adapter", ["lora", "lora_on_head", "prompt_tuning", "p_tuning", "prefix_tuning"])
 def test_adapters_take_the_right_path_and_match_the_full_forward(tiny_model, adapter):
-    from peft import LoraConfig, PromptTuningConfig, get_peft_model
+    from peft import LoraConfig, PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model
 
     torch.manual_seed(0)
     base = tiny_model("llama", "causal_lm", seed=0)
@@ -82,18 +82,17 @@ def test_adapters_take_the_right_path_and_match_the_full_forward(tiny_model, ada
         "lora": LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
         "lora_on_head": LoraConfig(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False),
         "prompt_tuning": PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+        "p_tuning": PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, encoder_hidden_size=16),
+        "prefix_tuning": PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
     }[adapter]
     model = get_peft_model(base, config).eval()
     prompts = _prompts(3, seed=2)
     ids, mask = _left_padded(prompts)
     with torch.no_grad():
         got = label_word_logits(model, ids, mask, WORDS)
-        if adapter == "prompt_tuning":
-            # PEFT prepends the virtual tokens before the padding and ignores position ids, so the reference is
-            # the full forward of the same padded batch (restricted to the label words), not the unpadded one.
-            ref = model(input_ids=ids, attention_mask=mask).logits[:, -1, WORDS]
-        else:
-            ref = torch.stack([model(input_ids=torch.tensor([p])).logits[0, -1, WORDS] for p in prompts])
+        # Each prompt alone through PEFT's own forward (virtual tokens right before the text): padding changes
+        # nothing, also under prompt-learning adapters.
+        ref = torch.stack([model(input_ids=torch.tensor([p])).logits[0, -1, WORDS] for p in prompts])
         with model.disable_adapter():
             plain = label_word_logits(model, ids, mask, WORDS)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from peftplug.data.prompt_tasks import PromptTask, get_task
 from peftplug.datadir import DATA_DIR_ENV
-from peftplug.errors import DataError, MissingFileError
+from peftplug.errors import ConfigError, DataError, MissingFileError
 
 
 def _read_rows(path: Path, task: PromptTask) -> list[dict[str, str]]:
@@ -86,8 +86,11 @@ def sample_pool_splits(rows: list[dict[str, str]], labels: tuple[str, ...], k: i
         split_seed: Seed of the draw.
 
     Raises:
+        ConfigError: If ``k`` < 1 (``k`` = -3 would slice most of each class into train and none into dev).
         DataError: If a class has fewer than ``2 k`` rows.
     """
+    if k < 1:
+        raise ConfigError(f"k must be >= 1; got {k}")
     rng = random.Random(split_seed)
     out: dict[str, list] = {"train": [], "validation": [], "test": []}
     for label in labels:

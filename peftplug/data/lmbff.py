@@ -71,6 +71,23 @@ def shuffle_seeds(seed: int, compounding: bool) -> tuple[int, ...]:
     return (seed,)
 
 
+def check_draw(k: int, seeds: Sequence[int]) -> None:
+    """Refuses a draw numpy cannot make, in one line.
+
+    Args:
+        k: Rows per class.
+        seeds: Split seeds.
+
+    Raises:
+        ConfigError: If ``k`` < 1 or a seed is outside numpy's ``[0, 2**32 - 1]``.
+    """
+    if k < 1:
+        raise ConfigError(f"k must be >= 1; got {k}")
+    bad = [s for s in seeds if not 0 <= s < 2 ** 32]
+    if bad:  # numpy's RandomState refuses them with a traceback from inside its seeding
+        raise ConfigError(f"split seed {bad[0]} is outside [0, 2**32 - 1]")
+
+
 def sample_kshot(labels: Sequence[Hashable], k: int, seeds: Sequence[int]) -> tuple[list[int], list[int]]:
     """LM-BFF's balanced k-shot draw over rows given by their labels: shuffle, group by label in order of first
     appearance, ``train`` = the first ``k`` of each group and ``dev`` the next ``k``, group after group.
@@ -85,10 +102,9 @@ def sample_kshot(labels: Sequence[Hashable], k: int, seeds: Sequence[int]) -> tu
         ``2 k`` rows gives what it has, as LM-BFF's slicing does (its ``cr/512-42`` and ``trec/512-42``).
 
     Raises:
-        ConfigError: If ``k`` < 1.
+        ConfigError: If ``k`` < 1 or a seed is outside numpy's ``[0, 2**32 - 1]``.
     """
-    if k < 1:
-        raise ConfigError(f"k must be >= 1; got {k}")
+    check_draw(k, seeds)
     groups: dict[Hashable, list[int]] = {}
     for index in lmbff_permutation(len(labels), seeds).tolist():
         groups.setdefault(labels[index], []).append(index)
@@ -394,6 +410,7 @@ def write_kshot_folder(folder: str, data_dir: str | Path, k: int = 16, seeds: Se
             raise ConfigError(f"task {folder!r} has no hub copy (those with one: {', '.join(HUB_SOURCES)}); its "
                               f"k-shot files come from LM-BFF's release only")
         folder = named
+    check_draw(k, seeds)  # before the hub is read
     source, root = HUB_SOURCES[folder], Path(data_dir).expanduser()
     train = load(source, source.train, folder)
     if not source.tests:  # BoolQ: the pool itself, as the folder source keeps it

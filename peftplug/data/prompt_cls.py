@@ -15,6 +15,7 @@ from peftplug.data.prompt_templates import (
     ANSWER,
     FORMATS,
     MULTI_TOKEN_POLICIES,
+    answer_context,
     label_word_ids,
     render_prompt,
     split_template,
@@ -22,6 +23,7 @@ from peftplug.data.prompt_templates import (
 )
 from peftplug.datadir import default_data_dir
 from peftplug.errors import ConfigError
+from peftplug.validation import check_int
 
 #: Where the k-shot splits come from: LM-BFF's files in a local folder, or the hub copy sampled the same way.
 SOURCES = ("folder", "hub")
@@ -83,6 +85,11 @@ class PromptClassificationData(TokenizedDataModule):
         self.task = get_task(task)
         if format not in FORMATS:
             raise ConfigError(f"data.format must be one of {', '.join(FORMATS)}; got {format!r}")
+        try:
+            check_int("data.k", k, 1, hint="shots per class")
+            check_int("data.split_seed", split_seed, 0, 2 ** 32 - 1, hint="numpy's seed range")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         if max_test is not None and max_test < 1:
             raise ConfigError(f"data.max_test must be >= 1; got {max_test}")
         if multi_token not in MULTI_TOKEN_POLICIES:
@@ -125,8 +132,9 @@ class PromptClassificationData(TokenizedDataModule):
                          else split_rows(self.task.name, self.files, self.k, self.split_seed, self.max_test))
         tokenizer = self.resolve_tokenizer()
         _, space = split_template(self.template)
-        self.label_word_ids = label_word_ids(tokenizer, self.words, space and self.format == "plain",
-                                             self.multi_token)
+        plain = self.format == "plain"
+        self.label_word_ids = label_word_ids(tokenizer, self.words, space and plain, self.multi_token,
+                                             context=answer_context(self.template) if plain else "")
         for split, rows in rows_by_split.items():
             self.splits[split] = [
                 {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": self.task.labels.index(row["label"])}

@@ -60,8 +60,50 @@ def split_template(text: str) -> tuple[str, bool]:
     return before, False
 
 
+def answer_context(text: str) -> str:
+    """The template's literal text right before the answer slot (after its last field, without the space that
+    moves into the label word): what a label word is tokenized after (:func:`label_word_ids`).
+
+    Args:
+        text: A template ending in ``{answer}``.
+    """
+    before, _ = split_template(text)
+    parts = list(string.Formatter().parse(before))
+    return "" if not parts or parts[-1][1] is not None else parts[-1][0]
+
+
+def _word_pieces(tokenizer: Any, context: str, text: str) -> list[int]:
+    """Tokens of ``text`` as they follow ``context`` in a prompt, else of ``text`` alone.
+
+    SentencePiece tokenizers (Llama 2, Mistral) prepend ``▁`` to every text they are given: alone, ``" great"``
+    is ``["▁", "▁great"]`` and ``"Yes"`` is ``["▁Yes"]``, while after ``"It was"`` and ``"\n"`` the prompt's next
+    tokens are ``"▁great"`` and ``"Yes"``. Byte-level BPE (GPT-2, SmolLM2) gives the same either way.
+    """
+    if context:
+        base = tokenizer(context, add_special_tokens=False)["input_ids"]
+        full = tokenizer(context + text, add_special_tokens=False)["input_ids"]
+        if len(full) > len(base) and full[: len(base)] == base:  # the word did not merge into the context's tokens
+            return full[len(base):]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def special_prefix(tokenizer: Any) -> list[int]:
+    """The special tokens the tokenizer puts before a text (Llama's, Gemma's ``<bos>``; none for SmolLM2), without
+    any it appends (an EOS there would sit between the prompt and its answer).
+
+    Args:
+        tokenizer: The model's tokenizer.
+    """
+    full = tokenizer("a")["input_ids"]
+    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    for start in range(len(full) - len(bare) + 1):
+        if full[start:start + len(bare)] == bare:
+            return full[:start]
+    return []
+
+
 def label_word_ids(tokenizer: Any, words: tuple[str, ...] | list[str], leading_space: bool,
-                   multi_token: str = "error") -> list[int]:
+                   multi_token: str = "error", context: str = "") -> list[int]:
     """One token id per label word (with a leading space when the template had one before the slot).
 
     Args:
@@ -71,6 +113,8 @@ def label_word_ids(tokenizer: Any, words: tuple[str, ...] | list[str], leading_s
         multi_token: What to do with a word that is several tokens: ``"error"`` (default: the loss scores one
             position, so a multi-token word would be scored by its first piece only) or ``"first"`` (use the first
             piece, which must still differ between classes).
+        context: The text the word follows in the prompt (:func:`answer_context`); the word is tokenized after it,
+            as the prompt's next tokens (a SentencePiece tokenizer marks a text's start with ``▁`` otherwise).
 
     Raises:
         ConfigError: For a multi-token word under ``"error"``, an empty word, or two classes sharing a token.
@@ -82,7 +126,7 @@ def label_word_ids(tokenizer: Any, words: tuple[str, ...] | list[str], leading_s
     ids = []
     for word in words:
         text = (" " + word) if leading_space else word
-        pieces = tokenizer(text, add_special_tokens=False)["input_ids"]
+        pieces = _word_pieces(tokenizer, context, text)
         if not pieces:
             raise ConfigError(f"data.label_words: {word!r} tokenizes to nothing")
         if len(pieces) > 1 and multi_token == "error":
@@ -102,6 +146,8 @@ def render_prompt(tokenizer: Any, template: str, example: dict[str, str], fmt: s
 
     When the prompt is longer than ``max_length`` the template's *first* field is cut from its end (LM-BFF's
     ``first_sent_limit``), token by token, so the instruction and the answer position survive.
+    A plain prompt starts with the special tokens the tokenizer puts before a text (:func:`special_prefix`: a
+    Llama or Gemma model expects its ``<bos>``); a chat prompt has those its chat template writes.
 
     Args:
         tokenizer: The model's tokenizer (with a chat template for ``fmt="chat"``).
@@ -120,11 +166,12 @@ def render_prompt(tokenizer: Any, template: str, example: dict[str, str], fmt: s
     if missing:
         raise ConfigError(f"data.template uses {missing} but the task's fields are {sorted(example)}")
     values = {n: str(example[n]).strip() for n in names}
+    prefix = special_prefix(tokenizer) if fmt == "plain" else []
 
     def encode(vals: dict[str, str]) -> list[int]:
         text = before.format(**vals)
         if fmt == "plain":
-            return tokenizer(text, add_special_tokens=False)["input_ids"]
+            return prefix + tokenizer(text, add_special_tokens=False)["input_ids"]
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
         messages.append({"role": "user", "content": text})
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
