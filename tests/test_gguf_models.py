@@ -117,3 +117,18 @@ def test_unreadable_gguf_is_named(monkeypatch, tmp_path):
     with pytest.raises(MissingFileError, match=r"m\.gguf cannot be read .*--force-reinstall"):
         resolve_model_path("fake-model")
     assert not (tmp_path / "cache" / "models").exists() or not any((tmp_path / "cache" / "models").iterdir())
+
+
+@needs_package
+def test_unwritable_cache_is_named_before_converting(monkeypatch, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("PEFTPLUG_CACHE", str(blocker / "cache"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("converted although the result could not be kept")
+
+    monkeypatch.setattr(gguf_models, "_convert", refuse)
+    with pytest.raises(MissingFileError, match=rf"is converted once into {blocker}/cache/models, which cannot be "
+                                               r"written \(Not a directory\): set PEFTPLUG_CACHE"):
+        resolve_model_path(NAME)
