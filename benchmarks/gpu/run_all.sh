@@ -4,8 +4,9 @@
 #   PEFTPLUG_COMMIT=<hash> bash benchmarks/gpu/run_all.sh   # on a CUDA machine (≈ 8 min on one H200; cap 8.5 min)
 #   bash benchmarks/gpu/run_all.sh --dry-run  # same code paths at tiny sizes on CPU (Triton interpreter)
 # Everything is written under $OUT when set (else benchmarks/gpu/out): gpu_step.{json,md}, kernel_tests.txt,
-# gpu_results.{json,md}, run_all.log. Afterwards, locally: python -m benchmarks.oftv2.gpu_step --merge-docs <gpu_step.json>
-# and python -m benchmarks.kernels.gpu --merge-docs <that gpu_results.json>.
+# nf4_sweep.json, gpu_results.{json,md}, run_all.log (7 files: the device returns at most 8). Afterwards, locally:
+# python -m benchmarks.oftv2.gpu_step --merge-docs <gpu_step.json> and python -m benchmarks.kernels.gpu --merge-docs
+# <that gpu_results.json>.
 # bitsandbytes is not part of every CUDA image: if it does not import and a .whl/ folder of wheels sits at the
 # repository root, they are installed into /tmp/site first (see docs/qoft.md).
 set -uo pipefail
@@ -15,7 +16,7 @@ DRY=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n 2,10p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,11p "$0"; exit 0 ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -32,7 +33,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$P
 
 if ! "$PY" -c "import bitsandbytes" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    2>&1 | tee -a "$LOG" && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 "$PY" -c "import torch, triton, peft, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$LOG" \
   || { echo "missing a dependency (torch, triton, peft, transformers)" | tee -a "$LOG"; exit 3; }
@@ -45,31 +46,42 @@ fi
 
 # Time budget: the device is lent 15 minutes a session, machine start-up (minutes) included, and one command may run
 # 10 minutes; so this script must end within ~8.5 minutes (510 s). Each phase has a limit (timeout -k: killed 5 s
-# after its TERM), in order of what matters most; every phase writes its results as it goes, so a phase cut short
-# keeps what it measured.
-#   1. training-step benchmark (issue 40's table and targets)   240 s  (its --budget-s 210 skips rows that won't fit)
-#   2. kernel + QOFT tests on CUDA                                80 s
-#   3. NF4 kernel sweep (issue 41; needs bitsandbytes)          150 s  (its --budget-s 140)
+# after its TERM, or INT for pytest), in order of what matters most; every phase writes its results as it goes, so a phase cut short
+# keeps what it measured (the log says how long each phase took and whether its limit cut it).
+#   1. training-step benchmark (issue 40's table and targets)   240 s  (its --budget-s 210 skips rows that won't fit;
+#      ~10 s of imports come before that clock starts)
+#   2. kernel + QOFT tests on CUDA                               110 s  (293 tests, twice the 152 that took 61 s on
+#      the 2026-12-04 H200; -v writes each outcome as it comes and SIGINT at the limit still prints the summary)
+#   3. NF4 kernel sweep (issue 41; needs bitsandbytes)          130 s  (its --budget-s 100: it checks the budget only
+#      between token counts and writes nf4_sweep.json once at its end, after ~10 s of imports; 30 s of margin)
 #   4. kernel micro-benchmarks (benchmarks.kernels.gpu)           30 s
-#   (+ ~10 s for the checks above)
+#   (+ ~15 s for the checks and the wheel install above, + up to 5 s a phase for a kill: ≈ 545 s at worst)
 # The GPU machine gets the working tree without .git: PEFTPLUG_COMMIT=$(git rev-parse --short HEAD) names the code.
 COMMIT_ARG=()
 if [ -n "${PEFTPLUG_COMMIT:-}" ]; then COMMIT_ARG=(--commit "$PEFTPLUG_COMMIT"); fi
 status=0
 bench=0
+# One log line per phase: its exit status (124: cut by its limit) and seconds, for the next run's budget.
+phase_done() {
+  echo "phase $1: exit $2$([ "$2" = 124 ] && echo ' (cut by its time limit)'), $((SECONDS - $3)) s" | tee -a "$LOG"
+}
 if [ "$DRY" = 0 ]; then
+  t0=$SECONDS
   timeout -k 5 240 "$PY" -m benchmarks.oftv2.gpu_step --out "$OUT_DIR" --budget-s 210 "${COMMIT_ARG[@]}" 2>&1 | tee -a "$LOG"
-  [ "${PIPESTATUS[0]}" = 0 ] || bench=1
+  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || bench=1; phase_done gpu_step "$rc" "$t0"
   # Kernel and QOFT tests on CUDA (compiled kernels, not the interpreter). Bounded: the benchmarks must still run.
-  PEFTPLUG_KERNELS_ON_GPU=1 timeout -k 5 80 "$PY" -m pytest -q -p no:cacheprovider tests/kernels tests/oftv2_bnb \
-    -k "not dry_run" 2>&1 | tee "$OUT_DIR/kernel_tests.txt" | tail -n 5 | tee -a "$LOG"
-  status=${PIPESTATUS[0]}
+  t0=$SECONDS
+  PEFTPLUG_KERNELS_ON_GPU=1 timeout -s INT -k 5 110 "$PY" -m pytest -v --tb=short --durations=25 -p no:cacheprovider \
+    tests/kernels tests/oftv2_bnb -k "not dry_run" 2>&1 | tee "$OUT_DIR/kernel_tests.txt" | tail -n 5 | tee -a "$LOG"
+  status=${PIPESTATUS[0]}; phase_done kernel_tests "$status" "$t0"
   if [ ${#SKIP_BNB[@]} = 0 ]; then
-    timeout -k 5 150 "$PY" -m benchmarks.kernels.nf4_sweep --budget-s 140 --out "$OUT_DIR" 2>&1 | tee -a "$LOG"
-    [ "${PIPESTATUS[0]}" = 0 ] || bench=1
+    t0=$SECONDS
+    timeout -k 5 130 "$PY" -m benchmarks.kernels.nf4_sweep --budget-s 100 --out "$OUT_DIR" 2>&1 | tee -a "$LOG"
+    rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || bench=1; phase_done nf4_sweep "$rc" "$t0"
   fi
+  t0=$SECONDS
   timeout -k 5 30 "$PY" -m benchmarks.kernels.gpu --skip-training --out "$OUT_DIR" "${SKIP_BNB[@]}" 2>&1 | tee -a "$LOG"
-  [ "${PIPESTATUS[0]}" = 0 ] || bench=1
+  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || bench=1; phase_done kernels_gpu "$rc" "$t0"
 else
   timeout -k 5 300 "$PY" -m benchmarks.oftv2.gpu_step --dry-run --out "$OUT_DIR" 2>&1 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || bench=1

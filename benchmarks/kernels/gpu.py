@@ -348,6 +348,9 @@ def render(results: dict) -> str:
                   f"{results['training'][0]['params'] / 1e9:.2f}B stored parameter elements, where a 4-bit weight "
                   f"counts one per byte, i.e. half its parameters), batch {k['batch']}×{k['seq']}, "
                   f"median of {k['steps']} steps after {k['warmup']} warm-up steps.")]
+    elif "fused_crossover" in results:  # run_all.sh passes --skip-training: the step table moved to gpu_step
+        lines += ["", ("Training step (QOFT vs QLoRA r=16 on the same NF4 base): not in this run; `run_all.sh` times it "
+                       "with `python -m benchmarks.oftv2.gpu_step` (docs/benchmarks/oftv2.md, GPU section).")]
     lines += ["", ("Targets (issue 41, timed by `python -m benchmarks.kernels.nf4_sweep`): fused NF4 forward ≤ 0.05 ms "
                    "at 16 tokens, forward ≤ 0.30 ms and forward + backward ≤ 1.0 ms at 4096 tokens (4096²); QOFT step "
                    "time ≤ 0.95× QLoRA's; QOFT peak memory ≤ 1.02× QLoRA's.")]

@@ -26,8 +26,10 @@ and renders the ``oftv2-gpu`` section of docs/benchmarks/oftv2.md from every com
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
+import signal
 import statistics
 import sys
 import time
@@ -108,6 +110,39 @@ PLAN = (
 
 #: Seconds a row is expected to take before one like it has run (a 1.1B compile took 37–86 s on the H200).
 FIRST_GUESS_S = {"eager": 20.0, "compiled": 110.0}
+#: Seconds a row may run past the budget's end before it is cut. ``run_all.sh`` kills this benchmark 30 s after
+#: ``--budget-s``, and ~10 s of imports come before the budget's clock starts: a row still running then (a compile
+#: far slower than its guess) is cut here instead, so the run still ends by itself, says which row ran out and after
+#: how long, and writes its page.
+OVERRUN_S = 15.0
+
+
+class RowCut(BaseException):
+    """Raised (by SIGALRM) in a row that outlasts the budget. A ``BaseException``, as ``KeyboardInterrupt`` is, so
+    that no ``except Exception`` inside torch's compile stack swallows it."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Raises :class:`RowCut` in the main thread once ``seconds`` have passed (no limit when infinite).
+
+    Args:
+        seconds: Wall-clock seconds the block may take.
+    """
+    if not math.isfinite(seconds):
+        yield
+        return
+
+    def cut(signum, frame):
+        raise RowCut(f"cut after {seconds:.0f} s: the time budget ran out during this row")
+
+    previous = signal.signal(signal.SIGALRM, cut)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def peft_config(adapter: str):
@@ -278,8 +313,9 @@ def run(settings: dict, device: str, budget_s: float, out: Path, env: dict, skip
         else:
             t0 = time.perf_counter()
             try:
-                entry.update(measure_row(row, settings, device))
-            except Exception as err:  # noqa: BLE001 - one failing row (OOM, a compile error) must not end the table
+                with deadline(left + OVERRUN_S):
+                    entry.update(measure_row(row, settings, device))
+            except (Exception, RowCut) as err:  # noqa: BLE001 - one failing row (OOM, a compile error) must not end the table
                 entry["error"] = f"{type(err).__name__}: {err}"[:400]
             entry["seconds"] = time.perf_counter() - t0
             torch._dynamo.reset()  # dynamo's caches would keep a compiled row's model (and its memory) alive

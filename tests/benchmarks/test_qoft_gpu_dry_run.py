@@ -71,6 +71,30 @@ def test_merge_docs_commits_the_run_and_renders_the_gpu_section_only(tmp_path, m
     assert page.read_text() == text
 
 
+def test_merging_a_run_without_training_rows_points_to_the_step_benchmark(tmp_path, monkeypatch):
+    # run_all.sh runs this module with --skip-training (the step table is benchmarks.oftv2.gpu_step's now): merging
+    # such a run replaces the committed file, whose 2026-12-04 training table then leaves the page; the section says
+    # where the training step is measured instead of ending silently after the kernels.
+    from benchmarks.common.pages import read_section
+    from benchmarks.kernels import gpu
+
+    record = {"env": {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "bitsandbytes": "0.50.2",
+                      "dtype": "bfloat16", "dry_run": False},
+              "config": {"tokens": 4096, "width": 4096, "out": 4096, "block": 32}, "training": [],
+              "kernels": [{"op": "nf4_rotate_matmul, 16 tokens", "impl": "fused nf4_rotate_matmul (triton)",
+                           "fwd_ms": 0.1, "fwd_bwd_ms": 0.5, "fwd_bwd_peak_mib": 8.0, "max_rel_err": 1e-3}],
+              "fused_crossover": 16, "fused_max_tokens": 64}
+    (tmp_path / "gpu_results.json").write_text(json.dumps(record))
+    page = tmp_path / "qoft.md"
+    page.write_text("# QOFT\n\n<!-- qoft-cpu:begin -->\nCPU part\n<!-- qoft-cpu:end -->\n")
+    monkeypatch.setattr(gpu, "RESULTS", tmp_path / "results" / "gpu.json")
+    monkeypatch.setattr(gpu, "PAGE", page)
+    gpu.main(["--merge-docs", str(tmp_path / "gpu_results.json")])
+    section = read_section(page.read_text(), "qoft-gpu")
+    assert "| training step |" not in section
+    assert "`python -m benchmarks.oftv2.gpu_step` (docs/benchmarks/oftv2.md, GPU section)" in section
+
+
 def test_gpu_benchmark_dry_run_without_bitsandbytes(tmp_path):
     # The H200 image has no bitsandbytes: the script must still time the other kernels and render a section.
     from peftplug_kernels._triton_available import triton_available
