@@ -21,7 +21,8 @@ count at which the fused kernel beats ``rotate + bnb`` on every shape, forward +
     python -m benchmarks.kernels.nf4_sweep [--budget-s 150] [--out DIR]   # on a GPU
     python -m benchmarks.kernels.nf4_sweep --dry-run                       # tiny shapes on CPU (interpreter)
 
-Stops measuring once ``--budget-s`` is spent (what is left is marked skipped) and writes ``<out>/nf4_sweep.json``.
+Stops measuring once ``--budget-s`` is spent (what is left is marked skipped) and writes ``<out>/nf4_sweep.json``
+(after every measurement group too, marked ``"partial": true`` until the run ends, so a killed run keeps its rows).
 """
 
 from __future__ import annotations
@@ -152,8 +153,17 @@ def _autotune(layer, rot, kernels, tokens: int, cfg: dict, device: str, dtype, m
     return config, tried
 
 
-def sweep(cfg: dict, device: str, budget: Budget) -> dict:
-    """Runs the sweep; returns ``{"rows": [...], "autotune": {...}, "rotate": {...}, "skipped": [...]}``."""
+def sweep(cfg: dict, device: str, budget: Budget, save=None) -> dict:
+    """Runs the sweep; returns ``{"rows": [...], "autotune": {...}, "rotate": {...}, "skipped": [...]}``.
+
+    Args:
+        cfg: ``FULL`` or ``DRY``.
+        device: ``"cuda"`` or ``"cpu"``.
+        budget: When to stop measuring.
+        save: Called with the result so far after every measurement group, so that a run killed by its time limit
+            keeps what it measured.
+    """
+    save = save or (lambda result: None)
     import torch
 
     from peftplug_kernels._triton_available import load_kernel_module
@@ -166,6 +176,7 @@ def sweep(cfg: dict, device: str, budget: Budget) -> dict:
     out = {"rows": [], "autotune": {}, "skipped": []}
     # block_rotate first: cheap, and its two targets should not fall to a spent budget.
     out["rotate"] = _rotate_rows(cfg, device, rotate, measure, measure_graph, budget)
+    save(out)
     best = {}  # regime -> config tuned on the first shape
     for shape_index, (n, k) in enumerate(cfg["shapes"]):
         layer, dense = _layer(n, k, device, dtype)
@@ -204,6 +215,7 @@ def sweep(cfg: dict, device: str, budget: Budget) -> dict:
                     row["error"] = f"{type(err).__name__}: {err}"[:160]
                 out["rows"].append(row)
                 print(_row_text(row), flush=True)
+            save(out)
     return out
 
 
@@ -305,14 +317,21 @@ def main(argv=None) -> dict:
     cfg = DRY if args.dry_run else FULL
     torch.manual_seed(0)
     started = time.monotonic()
-    result = sweep(cfg, device, Budget(args.budget_s))
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
+    path = args.out / "nf4_sweep.json"
+
+    def save_partial(result: dict) -> None:
+        # Marked partial: the verdicts come only with the complete file.
+        write_json(path, {**result, "partial": True, "device": name, "seconds": time.monotonic() - started}, indent=1)
+
+    result = sweep(cfg, device, Budget(args.budget_s), save=save_partial)
     result["verdicts"] = verdicts(result, cfg)
     result["seconds"] = time.monotonic() - started
-    result["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
+    result["device"] = name
     for line in result["verdicts"]:
         print(line, flush=True)
-    write_json(args.out / "nf4_sweep.json", result, indent=1)
-    print(f"wrote {args.out / 'nf4_sweep.json'} in {result['seconds']:.0f} s", flush=True)
+    write_json(path, result, indent=1)
+    print(f"wrote {path} in {result['seconds']:.0f} s", flush=True)
     return result
 
 

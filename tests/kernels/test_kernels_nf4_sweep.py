@@ -26,6 +26,25 @@ def test_dry_run_measures_every_path_and_prints_the_threshold(tmp_path, capsys):
     assert json.loads((tmp_path / "nf4_sweep.json").read_text())["verdicts"] == result["verdicts"]
 
 
+def test_every_measurement_group_is_saved_as_it_ends(tmp_path, monkeypatch):
+    """A run killed by its time limit keeps what it measured: the JSON is rewritten after each group (marked partial),
+    and the complete file, with the verdicts, replaces it at the end."""
+    import copy
+
+    from benchmarks.kernels import nf4_sweep
+
+    saved, write = [], nf4_sweep.write_json
+    monkeypatch.setattr(nf4_sweep, "write_json", lambda path, obj, **kw: (saved.append(copy.deepcopy(obj)),
+                                                                          write(path, obj, **kw))[1])
+    result = nf4_sweep.main(["--dry-run", "--out", str(tmp_path)])
+    partial = [s for s in saved if s.get("partial")]
+    assert len(partial) == 1 + len(nf4_sweep.DRY["tokens"])  # block_rotate, then one per token count
+    assert [len(s["rows"]) for s in partial] == sorted(len(s["rows"]) for s in partial)
+    assert partial[-1]["rows"] == result["rows"] and "verdicts" not in partial[-1]
+    final = json.loads((tmp_path / "nf4_sweep.json").read_text())
+    assert "partial" not in final and final["verdicts"] == result["verdicts"]
+
+
 def test_a_spent_budget_skips_the_rest_and_still_writes(tmp_path):
     from benchmarks.kernels import nf4_sweep
 
