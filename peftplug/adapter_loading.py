@@ -40,6 +40,7 @@ def load_adapter(
     is_trainable: bool = False,
     quantization: str = "none",
     num_labels: int | None = None,
+    dtype: str = "float32",
     **kwargs: Any,
 ):
     """Loads a saved adapter onto a base model, first importing the peftplug package its ``peft_type`` needs.
@@ -56,6 +57,11 @@ def load_adapter(
         is_trainable: Load it for further training (default: inference mode, as PEFT).
         quantization: With a model name: ``none``, ``nf4``, ``fp4`` or ``int8`` (the base the adapter was trained on).
         num_labels: With a model name and a ``SEQ_CLS`` adapter: the number of classes.
+        dtype: With a model name: ``float32`` (default), ``bfloat16`` or ``float16``, as
+            :func:`peftplug.loading.load_model` takes it -- the ``dtype`` the adapter was trained with (a recipe's
+            ``model.dtype``). With ``nf4``/``fp4`` it is the 4-bit layers' compute dtype, so it changes the outputs:
+            give the training one to get the trained model's logits. The adapter folder does not record it (PEFT
+            writes no dtype, and the adapter's own weights are float32 either way), hence no other default.
         **kwargs: Passed to ``PeftModel.from_pretrained``.
 
     Returns:
@@ -65,29 +71,35 @@ def load_adapter(
         MissingFileError, CheckpointError: If ``path`` is not a complete adapter folder.
         peftplug.registry.UnregisteredAdapterError: If neither PEFT nor peftplug provides the adapter's type (one
             line naming the types peftplug provides).
-        ConfigError: If ``model`` is neither a module nor a name, or the adapter's task has no peftplug task.
+        ConfigError: If ``model`` is neither a module nor a name, the adapter's task has no peftplug task, or
+            ``quantization`` / ``dtype`` is not an accepted value, or not the default with a built ``model``.
     """
     import torch
     from peft import PeftModel
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
+    from peftplug.loading import DTYPES, PEFT_TASK_TYPES, QUANTIZATIONS, check_choice, load_model
     from peftplug.methods import import_plugin_for
     from peftplug.registry import UnregisteredAdapterError, unknown_type_message
 
+    # Checked before anything loads, and refused with a built model, which is used as it is (not cast or quantized).
+    check_choice("quantization", quantization, QUANTIZATIONS)
+    check_choice("dtype", dtype, tuple(DTYPES))
+    if isinstance(model, torch.nn.Module) and (quantization, dtype) != ("none", "float32"):
+        raise ConfigError("quantization and dtype apply to a model name only; a built model is used as it is (load "
+                          f"it quantized or cast yourself); got quantization={quantization!r}, dtype={dtype!r}")
     peft_type, config = adapter_peft_type(path)
     import_plugin_for(peft_type)
     if peft_type not in {getattr(key, "value", key) for key in PEFT_TYPE_TO_CONFIG_MAPPING}:
         raise UnregisteredAdapterError(f"adapter {str(path)!r}: {unknown_type_message(peft_type)}")
     if isinstance(model, (str, os.PathLike)):
-        from peftplug.loading import PEFT_TASK_TYPES, load_model
-
         # Reversed, so that CAUSAL_LM maps to causal_lm rather than prompt_cls (both wrap a causal LM).
         tasks = {peft_task: task for task, peft_task in reversed(PEFT_TASK_TYPES.items())}
         task_type = config.get("task_type") or "CAUSAL_LM"
         if task_type not in tasks:
             raise ConfigError(f"adapter {str(path)!r} has task_type {task_type!r}; a model name loads for "
                               f"{', '.join(sorted(tasks))} only (load the base model yourself and pass it)")
-        model = load_model(str(model), tasks[task_type], quantization, num_labels=num_labels)
+        model = load_model(str(model), tasks[task_type], quantization, dtype, num_labels=num_labels)
     elif not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module or a model name; got {type(model).__name__}")
     return PeftModel.from_pretrained(model, str(path), adapter_name=adapter_name, is_trainable=is_trainable, **kwargs)

@@ -138,8 +138,8 @@ class PeftModule(L.LightningModule):
         if tokenizer is not None or isinstance(model, str):
             self.tokenizer = load_tokenizer(tokenizer or model)
         if isinstance(model, str):
-            pad_id = self.tokenizer.pad_token_id if self.tokenizer is not None else None
-            base = load_model(model, task, quantization, dtype, num_labels=num_labels, pad_token_id=pad_id)
+            base = load_model(model, task, quantization, dtype, num_labels=num_labels, field_prefix="model.",
+                              pad_token_id=getattr(self.tokenizer, "pad_token_id", None))
         elif isinstance(model, torch.nn.Module):
             if quantization != "none":
                 raise ConfigError("model.quantization needs a model name or path, not a built model")

@@ -383,6 +383,7 @@ def load_model(
     dtype: str = "float32",
     num_labels: int | None = None,
     pad_token_id: int | None = None,
+    field_prefix: str = "",
     **kwargs: Any,
 ):
     """Loads a Hugging Face model for ``task``, optionally quantized with bitsandbytes.
@@ -398,6 +399,8 @@ def load_model(
         num_labels: Number of classes (``seq_cls`` only; a fresh head is created when it differs).
         pad_token_id: Pad id written into the model config (sequence classification needs it to find the
             last token of decoder-only models).
+        field_prefix: Put before the argument names in errors, so that they name the setting as the caller's user
+            writes it (``"model."`` for a recipe's ``model.dtype``).
         **kwargs: Passed to ``from_pretrained``.
 
     Raises:
@@ -406,9 +409,9 @@ def load_model(
     """
     import transformers
 
-    check_choice("task", task, TASKS)
-    check_choice("quantization", quantization, QUANTIZATIONS)
-    check_choice("dtype", dtype, tuple(DTYPES))
+    check_choice(f"{field_prefix}task", task, TASKS)
+    check_choice(f"{field_prefix}quantization", quantization, QUANTIZATIONS)
+    check_choice(f"{field_prefix}dtype", dtype, tuple(DTYPES))
     path = resolve_model_path(name)
     problem = _not_a_model_folder(name, path, ("config.json", "adapter_config.json"), "model")
     if problem is not None:
@@ -421,7 +424,7 @@ def load_model(
     }[task]
     if task == "seq_cls":
         if num_labels is None or num_labels < 1:
-            raise ConfigError(f"num_labels must be a positive integer for task seq_cls; got {num_labels!r}")
+            raise ConfigError(f"{field_prefix}num_labels must be a positive integer for task seq_cls; got {num_labels!r}")
         kwargs.update(num_labels=num_labels, ignore_mismatched_sizes=True)
     if pad_token_id is not None:
         kwargs["pad_token_id"] = pad_token_id
