@@ -18,10 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from peftplug.adapter_export import write_module_base_record
 from peftplug.errors import ConfigError
 from peftplug.flags import underscore_flags
 
 # What a folder written by `peftplug export` (or save_pretrained) holds: only such a folder may be overwritten.
+# (peftplug_base.json is not a marker: an export always has adapter_config.json or config.json beside it.)
 _EXPORT_MARKERS = ("adapter_config.json", "config.json")
 
 
@@ -80,7 +82,9 @@ def parse_rank(rank: str | None, as_lora: bool, merge: bool) -> int | str | None
 
 
 def export_as_lora(module: Any, output: str, rank: int | str) -> Path:
-    """Writes the OFTv2 adapter of a loaded checkpoint as a PEFT LoRA adapter folder, plus the tokenizer.
+    """Writes the OFTv2 adapter of a loaded checkpoint as a PEFT LoRA adapter folder, plus the tokenizer and
+    ``peftplug_base.json`` (the LoRA reproduces the adapter on the same base, quantization and compute dtype
+    included, so ``peftplug.load_adapter`` defaults to that base as for a plain export).
 
     The folder appears atomically (written beside ``output``, then renamed onto it, replacing an earlier export).
 
@@ -108,6 +112,7 @@ def export_as_lora(module: Any, output: str, rank: int | str) -> Path:
             oftv2.export_lora(module.model, staging, rank=rank)  # it fills the empty staging folder
         except ValueError as err:
             raise ConfigError(f"--as_lora: {err}") from None
+        write_module_base_record(staging, module)
         if module.tokenizer is not None:
             module.tokenizer.save_pretrained(staging)
     return target

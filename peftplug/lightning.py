@@ -20,8 +20,7 @@ from peft import PeftConfig
 
 from peftplug.answers import answer_matches
 from peftplug.compiling import ModelCompiler
-from peftplug.errors import ConfigError, MissingFileError
-from peftplug.fileio import atomic_directory
+from peftplug.errors import ConfigError
 from peftplug.loading import (
     QUANTIZATIONS,
     TASKS,
@@ -570,7 +569,9 @@ class PeftModule(L.LightningModule):
 
     # ---------------------------------------------------------------- export
     def export(self, output: str | os.PathLike, merge: bool = False, overwrite: bool = False) -> Path:
-        """Writes the adapter (PEFT ``save_pretrained`` layout) or the merged full model, plus the tokenizer.
+        """Writes the adapter (PEFT ``save_pretrained`` layout plus ``peftplug_base.json``, the base model's name,
+        quantization and dtype that ``peftplug.load_adapter`` defaults to) or the merged full model, plus the
+        tokenizer; see :func:`peftplug.adapter_export.export_module`.
 
         The directory appears atomically: it is written next to ``output`` and renamed into place.
 
@@ -579,20 +580,6 @@ class PeftModule(L.LightningModule):
             merge: Merge the adapter into the base weights (``merge_and_unload``) and save a plain model.
             overwrite: Replace an existing non-empty ``output``.
         """
-        from peft import PeftModel
+        from peftplug.adapter_export import export_module
 
-        target = Path(output).expanduser().resolve()
-        if target.exists() and any(target.iterdir()) and not overwrite:
-            raise MissingFileError(f"export directory {str(target)!r} exists and is not empty (use --overwrite)")
-        if merge and not isinstance(self.model, PeftModel):
-            raise ConfigError("--merge needs a model with a PEFT adapter")
-        # atomic_directory (as --as_lora uses): the folder gets the umask's mode, not mkdtemp's 0700, and an
-        # overwritten export is moved aside before the new one is renamed in, so a crash leaves one of the two.
-        with atomic_directory(target, overwrite=target.exists()) as staging:
-            if merge:
-                self.model.merge_and_unload().save_pretrained(staging)
-            else:
-                self.model.save_pretrained(staging)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(staging)
-        return target
+        return export_module(self, output, merge=merge, overwrite=overwrite)

@@ -3,12 +3,15 @@
 On ``nf4``/``fp4`` the ``dtype`` a model loads with is the 4-bit layers' compute dtype, so it is part of the trained
 model: an adapter trained with ``quantization="nf4", dtype="bfloat16"`` and reloaded with float32 compute (all
 ``load_adapter`` could do before it took a ``dtype``) gives logits up to ~0.03 off on the tiny Llama. Reloaded with
-the training dtype they are bit-identical. Also here: the recipe's field names in ``PeftModule``'s loading errors.
+the training dtype they are bit-identical. Here the folders come from ``save_pretrained`` (no ``peftplug_base.json``),
+so the dtype is given; an export's record and its defaults are tests/test_adapter_base_record.py's. Also here: the
+recipe's field names in ``PeftModule``'s loading errors.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,7 +57,7 @@ def test_bf16_compute_adapter_reloads_exactly_with_its_dtype(tmp_path, kind):
     assert _compute_dtypes(reloaded) == {torch.bfloat16}
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=x).logits, reference)  # bit-identical, not merely to bf16 rounding
-        # The default is still float32 compute (the adapter folder records no dtype), which is another model.
+        # A save_pretrained folder has no peftplug_base.json: the default is float32 compute, another model.
         default = load_adapter("tiny:llama", folder, quantization="nf4").eval()
         assert _compute_dtypes(default) == {torch.float32}
         assert not torch.allclose(default(input_ids=x).logits, reference, atol=1e-3)
@@ -90,14 +93,14 @@ def test_peft_module_loading_errors_name_the_recipe_fields():
         PeftModule(model="tiny:bert", task="seq_cls")
 
 
-def test_exported_adapter_of_a_bf16_nf4_fit_reloads_as_its_checkpoint(tmp_path):
-    """`peftplug fit` records ``model.dtype`` in the checkpoint (generate and export rebuild from it), but the exported
-    adapter folder holds no dtype: ``load_adapter`` needs it given, and then matches the checkpoint exactly."""
+def fit_nf4_bf16(root: Path) -> Path:
+    """A one-step OFTv2 (QOFT) `peftplug fit` of the tiny Llama with ``quantization: nf4``, ``dtype: bfloat16``;
+    returns its checkpoint. (Also used by tests/test_adapter_base_record.py.)"""
     rows = [{"prompt": f"What is {i} plus {i}?", "response": f"{2 * i}"} for i in range(8)]
-    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (root / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     recipe = {
         "seed_everything": 0,
-        "trainer": {"max_steps": 1, "accelerator": "cpu", "devices": 1, "default_root_dir": str(tmp_path / "runs"),
+        "trainer": {"max_steps": 1, "accelerator": "cpu", "devices": 1, "default_root_dir": str(root / "runs"),
                     "enable_progress_bar": False, "num_sanity_val_steps": 0, "limit_val_batches": 0,
                     "enable_model_summary": False, "logger": False},
         "model": {"model": "tiny:llama", "quantization": "nf4", "dtype": "bfloat16",
@@ -105,11 +108,18 @@ def test_exported_adapter_of_a_bf16_nf4_fit_reloads_as_its_checkpoint(tmp_path):
                            "init_args": {"block_size": 16, "target_modules": ["q_proj", "v_proj"]}},
                   "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.05}}},
         "data": {"class_path": "peftplug.chat_data.ChatData",
-                 "init_args": {"train_file": str(tmp_path / "train.jsonl"), "batch_size": 4}},
+                 "init_args": {"train_file": str(root / "train.jsonl"), "batch_size": 4}},
     }
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    assert main(["fit", "--config", str(tmp_path / "recipe.yaml")]) == 0
-    ckpt = next((tmp_path / "runs").rglob("*.ckpt"))
+    (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["fit", "--config", str(root / "recipe.yaml")]) == 0
+    return next((root / "runs").rglob("*.ckpt"))
+
+
+def test_exported_adapter_of_a_bf16_nf4_fit_reloads_as_its_checkpoint(tmp_path):
+    """`peftplug fit` records ``model.dtype`` in the checkpoint (generate and export rebuild from it); PEFT's
+    ``adapter_config.json`` of the export holds no dtype (peftplug's ``peftplug_base.json`` beside it does, see
+    tests/test_adapter_base_record.py). Given explicitly, ``load_adapter`` matches the checkpoint exactly."""
+    ckpt = fit_nf4_bf16(tmp_path)
     assert read_checkpoint(ckpt)["hyper_parameters"]["dtype"] == "bfloat16"
     assert main(["export", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "adapter")]) == 0
     assert "dtype" not in (tmp_path / "adapter" / "adapter_config.json").read_text()

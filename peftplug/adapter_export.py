@@ -1,0 +1,169 @@
+"""Writing an exported adapter folder: :func:`export_module` (``PeftModule.export``) and peftplug's record of the base.
+
+PEFT's folder (``adapter_config.json`` + ``adapter_model.safetensors``) names the base model but not how it was
+loaded: its quantization and dtype are missing, and with ``nf4``/``fp4`` the dtype is the 4-bit layers' compute
+dtype, part of the trained model. So an export from a :class:`peftplug.lightning.PeftModule` adds
+:data:`BASE_RECORD` (:func:`write_base_record`), which :func:`peftplug.load_adapter` reads for its defaults
+(:func:`read_base_record`). PEFT ignores files it does not know, so ``PeftModel.from_pretrained`` loads the folder
+as before.
+
+The record, a JSON object::
+
+    {"format": "peftplug-base/1", "model": "tiny:llama", "quantization": "nf4", "dtype": "bfloat16"}
+
+``model`` is the name as the recipe gave it (``model.model``; for the packaged SmolLM2 ``smollm2-135m-instruct``,
+where ``adapter_config.json`` records the Hub id of the original), ``quantization`` and ``dtype`` the recipe's
+``model.quantization`` and ``model.dtype``. Readers ignore keys they do not know; another ``format`` is refused.
+
+Not a leaf, but it imports only leaves at module level (and :mod:`peftplug.loading` and PEFT inside functions), so
+the trainer, the export command and :mod:`peftplug.adapter_loading` may all import it without an import circle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from peftplug.errors import CheckpointError, ConfigError, MissingFileError, one_line
+from peftplug.fileio import atomic_directory, atomic_write, usual_mode
+
+BASE_RECORD = "peftplug_base.json"
+BASE_RECORD_FORMAT = "peftplug-base/1"
+_EXPECTED_RECORD = f"expected peftplug's record of the adapter's base model (format {BASE_RECORD_FORMAT!r})"
+
+
+def write_base_record(folder: str | os.PathLike, model: str, quantization: str, dtype: str) -> Path:
+    """Writes :data:`BASE_RECORD` into an adapter folder: the base model as it was loaded for training.
+
+    Written atomically, with the mode a new file gets under the umask like the rest of an export (the temporary
+    file of ``mkstemp`` alone would leave it private, 0600).
+
+    Args:
+        folder: The adapter folder (or an export's staging folder).
+        model: The model name as :func:`peftplug.loading.load_model` was given it (a recipe's ``model.model``).
+        quantization: ``none``, ``nf4``, ``fp4`` or ``int8``.
+        dtype: ``float32``, ``bfloat16`` or ``float16`` (with ``nf4``/``fp4`` the compute dtype).
+
+    Returns:
+        The written file.
+    """
+    record = {"format": BASE_RECORD_FORMAT, "model": str(model), "quantization": quantization, "dtype": dtype}
+    text = json.dumps(record, indent=2) + "\n"
+
+    def write(tmp: str) -> None:
+        Path(tmp).write_text(text, encoding="utf-8")
+        usual_mode(tmp, directory=False)
+
+    return atomic_write(Path(folder) / BASE_RECORD, write)
+
+
+def write_module_base_record(folder: str | os.PathLike, module: Any) -> Path | None:
+    """Writes the :data:`BASE_RECORD` of a ``PeftModule``'s adapter into ``folder``, when there is one to write.
+
+    Nothing is written for a module built around a model object (Python use): how that model was loaded (quantized
+    or cast by the user) is unknown, and a record of ``none``/``float32`` could be wrong.
+
+    Args:
+        folder: The folder the adapter was saved into.
+        module: A :class:`peftplug.lightning.PeftModule` (its ``hparams`` hold ``model``, ``quantization``, ``dtype``).
+
+    Returns:
+        The written file, or ``None``.
+    """
+    hparams = module.hparams
+    if not isinstance(hparams.get("model"), str):
+        return None
+    return write_base_record(folder, hparams["model"], hparams.get("quantization", "none"),
+                             hparams.get("dtype", "float32"))
+
+
+def read_base_record(folder: str | os.PathLike) -> dict | None:
+    """The checked :data:`BASE_RECORD` of an adapter folder, or ``None`` if it has none (a folder written by
+    ``save_pretrained``, or by a peftplug from before the record).
+
+    Args:
+        folder: The adapter folder.
+
+    Returns:
+        ``{"format", "model", "quantization", "dtype"}`` (keys beyond these are dropped), or ``None``.
+
+    Raises:
+        CheckpointError: If the file is unreadable, not valid JSON, not an object, of another format, or holds a
+            ``model``, ``quantization`` or ``dtype`` peftplug cannot load (one line naming the file and the field).
+    """
+    from peftplug.loading import DTYPES, QUANTIZATIONS
+
+    path = Path(folder).expanduser() / BASE_RECORD
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise CheckpointError(f"{str(path)!r} cannot be read ({err.strerror or err}); {_EXPECTED_RECORD}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{str(path)!r} is not valid JSON ({one_line(err, 120)}); {_EXPECTED_RECORD}") from None
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{str(path)!r} holds a JSON {type(record).__name__}, not an object; {_EXPECTED_RECORD}")
+    if record.get("format") != BASE_RECORD_FORMAT:
+        found = f"format {record['format']!r}" if "format" in record else "no 'format'"
+        raise CheckpointError(f"{str(path)!r} has {found}; this peftplug reads {BASE_RECORD_FORMAT!r} (written by "
+                              "another program or peftplug version? remove the file, or pass quantization= and "
+                              "dtype=)")
+    if not isinstance(record.get("model"), str) or not record["model"]:
+        raise CheckpointError(f"{str(path)!r}: 'model' must be a non-empty model name; got {record.get('model')!r}")
+    for field, accepted in (("quantization", QUANTIZATIONS), ("dtype", tuple(DTYPES))):
+        if record.get(field) not in accepted:
+            raise CheckpointError(f"{str(path)!r}: {field!r} must be one of {', '.join(accepted)}; got "
+                                  f"{record.get(field)!r}")
+    return {key: record[key] for key in ("format", "model", "quantization", "dtype")}
+
+
+def export_module(module: Any, output: str | os.PathLike, merge: bool = False, overwrite: bool = False) -> Path:
+    """What :meth:`peftplug.lightning.PeftModule.export` does: writes the adapter (PEFT ``save_pretrained`` layout
+    plus :data:`BASE_RECORD`) or the merged full model, plus the tokenizer.
+
+    The directory appears atomically: it is written next to ``output`` and renamed into place.
+
+    Args:
+        module: The ``PeftModule``.
+        output: Target directory.
+        merge: Merge the adapter into the base weights (``merge_and_unload``) and save a plain model (no record: it
+            is a model folder, loaded as such).
+        overwrite: Replace an existing non-empty ``output``.
+
+    Raises:
+        MissingFileError: If ``output`` exists, is not empty, and ``overwrite`` is not set.
+        ConfigError: If ``merge`` is asked for a module without an adapter.
+    """
+    from peft import PeftModel
+
+    target = Path(output).expanduser().resolve()
+    if target.exists() and any(target.iterdir()) and not overwrite:
+        raise MissingFileError(f"export directory {str(target)!r} exists and is not empty (use --overwrite)")
+    adapter = isinstance(module.model, PeftModel)
+    if merge and not adapter:
+        raise ConfigError("--merge needs a model with a PEFT adapter")
+    # atomic_directory (as --as_lora uses): the folder gets the umask's mode, not mkdtemp's 0700, and an
+    # overwritten export is moved aside before the new one is renamed in, so a crash leaves one of the two.
+    with atomic_directory(target, overwrite=target.exists()) as staging:
+        if merge:
+            module.model.merge_and_unload().save_pretrained(staging)
+        else:
+            module.model.save_pretrained(staging)
+            if adapter:  # a module without an adapter saved a whole model: nothing for load_adapter to read
+                write_module_base_record(staging, module)
+        if module.tokenizer is not None:
+            module.tokenizer.save_pretrained(staging)
+    return target
+
+
+__all__ = [
+    "BASE_RECORD",
+    "BASE_RECORD_FORMAT",
+    "export_module",
+    "read_base_record",
+    "write_base_record",
+    "write_module_base_record",
+]
