@@ -57,7 +57,7 @@ PEFT_KEY = ".oft_R.weight"
 # PEFT keeps an Embedding layer's rotation under its own attribute (same layout, rotation on the output).
 PEFT_EMBEDDING_KEY = ".oft_embedding_R.weight"
 OFTV2_KEY = ".oftv2_Q.weight"
-# The key adapters saved before oftv2.adapter_params had (still loadable).
+# The key adapters saved before peftplug.adapter_params had (still loadable).
 OFTV2_LEGACY_KEY = ".oftv2_Q"
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"

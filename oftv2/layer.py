@@ -24,13 +24,13 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
 from torch import nn
 
+from peftplug.adapter_params import AdapterParameterDict
 from peftplug_kernels import dispatch_table, ops
 from peftplug_kernels.cayley_neumann.reference import triangle_size
 from peftplug_kernels.cayley_rotate.function import compute_dtype
 from peftplug_kernels.cayley_rotate.reference import drop_blocks
 from peftplug_kernels.cayley_rotate.stacked import rotate_by
 
-from .adapter_params import AdapterParameterDict
 from .config import OFTv2Config
 from .dispatch import KernelPlan, plan_kernels
 from .rotation_cache import cache_usable, cached_rotation
@@ -180,7 +180,7 @@ class OFTv2Layer(BaseTunerLayer):
     def __init__(self, base_layer: nn.Module, **kwargs) -> None:
         self.base_layer = base_layer
         # Strict upper triangles of the skew blocks: [n_blocks (1 if shared), b(b-1)/2] per adapter, named
-        # `oftv2_Q.<adapter>.weight` as PEFT's module-based tuners name theirs (see oftv2.adapter_params).
+        # `oftv2_Q.<adapter>.weight` as PEFT's module-based tuners name theirs (see peftplug.adapter_params).
         self.oftv2_Q = AdapterParameterDict()
         self.oftv2_block_size: dict[str, int] = {}
         self.oftv2_n_blocks: dict[str, int] = {}

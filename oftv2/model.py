@@ -11,7 +11,8 @@ from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils import TRANSFORMERS_MODELS_TO_OFT_TARGET_MODULES_MAPPING
 from torch import nn
 
-from .adapter_params import upgrade_legacy_keys
+from peftplug.adapter_params import UpgradesLegacyKeys
+
 from .config import OFTv2Config
 from .conv import dispatch_conv2d
 from .embedding import dispatch_embedding
@@ -72,8 +73,11 @@ def adaptable_modules_hint(model: nn.Module, limit: int = 40) -> str:
     return f"Adaptable modules ({SUPPORTED_LAYERS}, by name) in this model: {listed}."
 
 
-class OFTv2Model(BaseTuner):
+class OFTv2Model(UpgradesLegacyKeys, BaseTuner):
     """Injects OFTv2 layers into a model. Use through ``peft.get_peft_model(model, OFTv2Config(...))``.
+
+    Saved adapters hold ``<layer>.oftv2_Q.weight`` tensors; those saved before that layout (``<layer>.oftv2_Q``)
+    still load (:class:`peftplug.adapter_params.UpgradesLegacyKeys`).
 
     Args:
         model: The model to adapt.
@@ -136,20 +140,6 @@ class OFTv2Model(BaseTuner):
         self._remove_stacking()
         if any(getattr(config, "stack_rotations", False) for config in self.peft_config.values()):
             self.__dict__["_oftv2_stacking"] = stack_rotations(self.model)
-
-    @classmethod
-    def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
-        """PEFT (>= 0.21) maps checkpoint keys onto the model's; adapters saved before ``oftv2.adapter_params``
-        name their tensors ``<layer>.oftv2_Q`` instead of ``<layer>.oftv2_Q.weight``: renamed first.
-
-        Args:
-            model: The PEFT model.
-            config: The adapter's config.
-            adapter_name: Name the adapter is loaded under.
-            state_dict: The checkpoint's tensors (adapter name removed).
-        """
-        state_dict = upgrade_legacy_keys(state_dict, OFTv2Layer.adapter_layer_names)
-        return super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
 
     def _create_and_replace(
         self, config, adapter_name, target, target_name, parent, current_key, **optional_kwargs

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from steering.easyedit_data import TokenizedPairs, caa_rows, is_rows, vector_prompt_rows
 from steering.families import find_blocks
+from steering.layer import SteeringLayer
 
 METHODS = ("caa", "pca_diff", "pca_center", "vector_prompt", "trainable")
 READ_POSITIONS = ("answer", "last", "mean", "second_to_last")
@@ -428,8 +429,9 @@ def train_vectors(
     for name, config in getattr(peft_model.base_model, "peft_config", {}).items():
         if name in names:
             _check_trainable_positions(getattr(config, "positions", "all"), f"adapter {name!r}")
-    params = [p for n, p in peft_model.named_parameters()
-              if "steer_vector" in n and n.rsplit(".", 1)[-1] in names]
+    # From the layers, not by parameter name: the name ends in `.weight`, not the adapter's name.
+    params = [p for m in peft_model.modules() if isinstance(m, SteeringLayer)
+              for n, p in m.steer_vector.parameter_items() if n in names]
     if not params:
         raise ValueError("no steering vectors found on the model; wrap it with a SteeringConfig first")
     for p in params:

@@ -8,6 +8,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
+from peftplug.adapter_params import PARAM_NAME, AdapterParameterDict
 from peftplug.parameter_writes import write_count
 from steering.config import SteeringConfig
 from steering.positions import NOTHING, SteeringContext
@@ -60,7 +61,9 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
 
     Each adapter owns one trainable vector ``steer_vector[adapter]`` of shape ``[hidden_size]`` (a normal PEFT
     parameter, so optimizers and Lightning train it like any adapter weight) and its operator, position policy
-    and multiplier. Several active adapters are applied one after another; for ``"add"`` they add up.
+    and multiplier. Several active adapters are applied one after another; for ``"add"`` they add up. The vector's
+    parameter is named ``<block>.steer_vector.<adapter>.weight`` (:class:`peftplug.adapter_params.AdapterParameterDict`,
+    PEFT's module-based layout), so TRL's ``.default.`` -> ``.ref.`` copy of a trained adapter reaches it.
 
     Args:
         base_layer: The decoder block being wrapped.
@@ -98,7 +101,9 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
         self.merge_refusal = merge_refusal
         # A plain attribute (not a submodule): the context is shared by all layers of the model.
         self.steer_context = context
-        self.steer_vector = nn.ParameterDict({})
+        # `steer_vector.<adapter>.weight`, not a ParameterDict's `steer_vector.<adapter>`: TRL builds a DPO reference
+        # by copying parameters whose names contain `.default.` (see peftplug.adapter_params).
+        self.steer_vector = AdapterParameterDict()
         self.steer_multiplier: dict[str, float] = {}
         self.steer_operator: dict[str, str] = {}
         self.steer_positions: dict[str, str] = {}
@@ -184,9 +189,13 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
         writes = write_count()
         if (plan is not None and plan[0] == active and plan[1] == dtype and plan[2] == self.merged_adapters
                 and plan[6] == writes):
-            params = plan[5]  # the ParameterDict's own dict (a module attribute lookup costs more than the add)
-            for name, param, version, ptr, m, policy, normalize, _ in plan[3]:
-                if (params.get(name) is not param or param._version != version or param.data_ptr() != ptr
+            # The container's and each holder's own dicts: a module attribute lookup costs more than the add. The
+            # holder must still be the adapter's and hold this very parameter (PEFT's dtype/device moves and
+            # `load_state_dict(assign=True)` put a new one in), which catches what ParameterDict identity did.
+            holders = plan[5]
+            for name, holder, param, version, ptr, m, policy, normalize, _ in plan[3]:
+                if (holders.get(name) is not holder or holder._parameters.get(PARAM_NAME) is not param
+                        or param._version != version or param.data_ptr() != ptr
                         or self.steer_multiplier.get(name) != m or self.steer_positions.get(name) != policy
                         or self.steer_normalize.get(name) != normalize or self.steer_operator.get(name) != "add"):
                     break
@@ -199,15 +208,15 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
             if self.steer_operator[name] != "add":
                 self._plan = None
                 return None
-            param, m = self.steer_vector[name], self.steer_multiplier[name]
+            holder = self.steer_vector._modules[name]
+            param, m = holder._parameters[PARAM_NAME], self.steer_multiplier[name]
             with torch.no_grad():
                 delta = self._effective_vector(name, dtype) * m
-            entries.append((name, param, param._version, param.data_ptr(), m, self.steer_positions[name],
+            entries.append((name, holder, param, param._version, param.data_ptr(), m, self.steer_positions[name],
                             self.steer_normalize[name], delta))
-        steps = [(e[5], e[7]) for e in entries]
+        steps = [(e[6], e[8]) for e in entries]
         # Which adapters are merged (not how many): unmerge a, merge b keeps the count but changes what to add.
-        self._plan = (active, dtype, list(self.merged_adapters), entries, steps, self.steer_vector._parameters,
-                      writes)
+        self._plan = (active, dtype, list(self.merged_adapters), entries, steps, self.steer_vector._modules, writes)
         return steps
 
     def steer(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
+from peftplug.adapter_params import UpgradesLegacyKeys
 from steering.config import SteeringConfig
 from steering.families import FAMILIES, find_blocks, hidden_size_of, merge_target
 from steering.layer import SteeringLayer
@@ -19,12 +20,14 @@ from steering.merge import COMBINATIONS, merge_vectors
 from steering.positions import SteeringContext
 
 
-class SteeringModel(BaseTuner):
+class SteeringModel(UpgradesLegacyKeys, BaseTuner):
     """PEFT tuner for steering vectors: ``peft.get_peft_model(model, SteeringConfig(layers=[...]))``.
 
     Beyond the usual PEFT API it offers :meth:`set_vectors`, :meth:`get_vectors`, :meth:`set_multiplier`,
     :meth:`add_weighted_adapter` (linear / TIES / DARE merge into a new adapter), ``set_adapter([...])`` with
     several names (their vectors add up), and a ``generate`` that tells the layers where the prompt ends.
+    Saved adapters hold ``<block>.steer_vector.weight`` tensors; those saved before that layout
+    (``<block>.steer_vector``) still load (:class:`peftplug.adapter_params.UpgradesLegacyKeys`).
 
     Args:
         model: The transformers model to steer.

@@ -2,8 +2,8 @@
 
 1. At module level a method package imports only the leaves (``peftplug.registry``, ``peftplug.fileio``,
    ``peftplug.errors``, ``peftplug.datadir``, ``peftplug.quantized_layout``, ``peftplug.optional``,
-   ``peftplug.parameter_writes``, ``peftplug.validation``, ``peftplug_kernels``), and the leaves
-   import no package of ours but each other.
+   ``peftplug.parameter_writes``, ``peftplug.validation``, ``peftplug.adapter_params``, ``peftplug_kernels``), and
+   the leaves import no package of ours but each other.
 2. No import circle between any two of the repository's ``.py`` files. Here an import inside a function counts
    too: it does not run when the module is imported, but it is still a dependency, and a circle of them is a knot a
    reader has to untie (and one lazy import moved to the top turns it into an import error).
@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 METHOD_PACKAGES = ("oftv2", "helene", "prompt_transfer", "steering")
 OURS = {"peftplug", "peftplug_kernels", *METHOD_PACKAGES}
 LEAVES = {"peftplug.registry", "peftplug.fileio", "peftplug.errors", "peftplug.datadir", "peftplug.quantized_layout",
-          "peftplug.optional", "peftplug.parameter_writes", "peftplug.validation", "peftplug_kernels"}
+          "peftplug.optional", "peftplug.parameter_writes", "peftplug.validation", "peftplug.adapter_params",
+          "peftplug_kernels"}
 #: Folders that are not the repository's code.
 SKIP_DIRS = {".venv", ".venv-compat", "runs", "build", "dist", "node_modules", "__pycache__"}
 MAX_LOOSE_BENCHMARK_MODULES = 3
@@ -183,7 +184,7 @@ def test_a_method_package_imports_only_the_leaves_at_module_level(package):
 
 def test_the_leaves_import_no_method_package_or_trainer():
     paths = [ROOT / "peftplug" / f"{leaf}.py" for leaf in ("registry", "fileio", "errors", "datadir",
-                                                           "quantized_layout", "optional")]
+                                                           "quantized_layout", "optional", "adapter_params")]
     paths += sorted((ROOT / "peftplug_kernels").rglob("*.py"))
     stray = {f"{path.relative_to(ROOT)}: {name}" for path in paths for name in module_level_imports(path)
              if not is_leaf(name)}

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import oftv2
 from oftv2 import OFTv2Config
-from oftv2.adapter_params import AdapterParameterDict
+from peftplug.adapter_params import AdapterParameterDict
 
 
 def test_names_carry_the_adapter_between_dots(tiny_model):

@@ -78,3 +78,18 @@ def test_unchanged_vectors_keep_the_plan(tiny_model):
     plan = layer._plan
     _planned(pm, ids)
     assert layer._plan is plan
+
+
+def test_a_replaced_vector_parameter_is_seen(tiny_model):
+    """``load_state_dict(assign=True)`` (and PEFT's dtype/device moves) put a new parameter in the vector's place."""
+    pm = _model(tiny_model)
+    ids = torch.randint(1, 50, (2, 8))
+    before = _planned(pm, ids)
+    layer = pm.base_model.steering_layers()[0]
+    old = layer.steer_vector["default"]
+    state = {k: v + 1.0 for k, v in layer.steer_vector.state_dict().items()}
+    layer.steer_vector.load_state_dict(state, assign=True)
+    assert layer.steer_vector["default"] is not old
+    after = _planned(pm, ids)
+    assert not torch.allclose(after, before)
+    torch.testing.assert_close(after, _fresh(pm, ids), rtol=1e-5, atol=1e-6)

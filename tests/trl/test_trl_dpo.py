@@ -1,6 +1,6 @@
 """TRL's DPOTrainer with OFTv2: the reference is the model with its adapter disabled (``peft_config=``), or a frozen
 copy ``ref`` of a pretrained adapter (a ``PeftModel`` with ``ref_model=None``), which TRL makes by renaming
-``.default.`` to ``.ref.`` in parameter names (``oftv2.adapter_params`` keeps OFTv2's names in that layout)."""
+``.default.`` to ``.ref.`` in parameter names (``peftplug.adapter_params`` keeps OFTv2's names in that layout)."""
 
 from __future__ import annotations
 

@@ -2,10 +2,11 @@
 
 With ``peft_config=`` TRL computes the reference inside ``model.disable_adapter()``: that must give the base model's
 logits for steering, PCT and QOFT as for OFTv2 (``test_trl_dpo.py``), also after the adapter trained. With a
-``PeftModel`` whose steering vector already trained and ``ref_model=None``, TRL's copy into a frozen ``ref`` adapter
-matches parameter names containing ``.default.``; a steering vector is named ``steer_vector.default``, so it is not
-copied and the reference is the unsteered base. The documented way round it: pass the merged steered model as
-``ref_model``. With a trained QOFT adapter TRL copies ``ref`` in fp32 and casts only the policy to bf16.
+``PeftModel`` whose adapter already trained and ``ref_model=None``, TRL copies it into a frozen ``ref`` adapter by
+renaming ``.default.`` to ``.ref.`` in parameter names: a steering vector is named
+``<block>.steer_vector.default.weight`` for this (``peftplug.adapter_params``), so the reference is the SFT'd steered
+model (until it was ``<block>.steer_vector.default`` and the reference silently was the unsteered base). With a
+trained QOFT adapter TRL copies ``ref`` in fp32 and casts only the policy to bf16.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 trl = pytest.importorskip("trl")
 
 from datasets import Dataset
-from trl_helpers import preference_rows
+from trl_helpers import preference_rows, prompt_completion_rows
 
 import prompt_transfer as pt
 from peftplug.tiny import char_tokenizer, tiny_model
@@ -107,34 +108,26 @@ def test_a_trained_qoft_adapter_is_copied_then_only_the_policy_is_cast_to_bf16(t
     assert trainer.state.log_history[0]["loss"] == pytest.approx(math.log(2), abs=1e-3)
 
 
-def _steered(vector: torch.Tensor):
-    model = peft.get_peft_model(tiny_model("llama"), SteeringConfig(layers=[1], task_type="CAUSAL_LM"))
-    model.base_model.set_vectors({1: vector})
-    return model
-
-
-def test_a_trained_steering_vector_needs_an_explicit_reference(trl_args):
-    vector = torch.randn(64, generator=torch.Generator().manual_seed(0))
-    # ref_model=None: TRL's `.default.` -> `.ref.` copy misses `steer_vector.default`, the reference is the base
-    # (docs/trl.md says so; this fails, and the docs must change, once the copy reaches steering vectors).
-    trainer = trl.DPOTrainer(
-        model=_steered(vector), args=trl_args(trl.DPOConfig, max_steps=1),
-        train_dataset=Dataset.from_list(preference_rows()), processing_class=char_tokenizer(),
+def test_a_trained_steering_vector_is_copied_into_the_dpo_reference(trl_args):
+    # The usual pipeline: SFT a steering vector, then DPO on top of it with ref_model=None.
+    sft = trl.SFTTrainer(
+        model=tiny_model("llama"), args=trl_args(trl.SFTConfig, learning_rate=0.1, max_steps=4),
+        train_dataset=Dataset.from_list(prompt_completion_rows()), processing_class=char_tokenizer(),
+        peft_config=SteeringConfig(layers=[1], task_type="CAUSAL_LM"),
     )
-    ref = [p for n, p in trainer.model.named_parameters() if "steer_vector.ref" in n]
-    assert len(ref) == 1 and not ref[0].any()
-    trainer.train()
-    assert trainer.state.log_history[0]["loss"] != pytest.approx(math.log(2), abs=1e-3)
-
-    # The documented way: the merged steered model as ref_model (a plain model, as TRL's ref_model must be).
-    reference = _steered(vector).merge_and_unload()
-    torch.testing.assert_close(_logits(reference), _logits(_steered(vector)), atol=1e-5, rtol=0)
+    sft.train()
+    vector = sft.model.base_model.get_vectors()[1]
+    assert vector.abs().max() > 0.05  # it trained: a reference left at zero (the unsteered base) would differ
     trainer = trl.DPOTrainer(
-        model=_steered(vector), ref_model=reference, args=trl_args(trl.DPOConfig),
-        train_dataset=Dataset.from_list(preference_rows()), processing_class=char_tokenizer(),
+        model=sft.model, args=trl_args(trl.DPOConfig), train_dataset=Dataset.from_list(preference_rows()),
+        processing_class=char_tokenizer(),
     )
+    # TRL's `.default.` -> `.ref.` copy reached the vector (named `steer_vector.default.weight`).
+    assert sorted(trainer.model.peft_config) == ["default", "ref"]
+    assert torch.equal(trainer.model.base_model.get_vectors("ref")[1], vector)
     trainer.train()
     first = trainer.state.log_history[0]
-    assert first["loss"] == pytest.approx(math.log(2), abs=1e-5)  # policy == reference before the first update
-    assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
-    assert not torch.equal(trainer.model.base_model.get_vectors()[1], vector)
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference (the SFT'd model)
+    assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert not torch.equal(trainer.model.base_model.get_vectors()[1], vector)  # the policy trained
+    assert torch.equal(trainer.model.base_model.get_vectors("ref")[1], vector)  # the reference stayed

@@ -4,14 +4,18 @@ PEFT's own tuners store each adapter's tensors in child modules (``lora_A.defaul
 ``oft_R.default.weight``), and tools built on PEFT rely on that naming: TRL's ``DPOTrainer`` (and its GRPO, KTO and
 RLOO trainers) copy a pretrained ``default`` adapter into a frozen ``ref`` adapter by replacing ``.default.`` with
 ``.ref.`` in ``named_parameters()`` names. A ``nn.ParameterDict`` names its entries ``<attr>.<adapter>``, with no
-dot after the adapter name, so that copy silently skipped every OFTv2 parameter and the "reference" was a fresh
-identity adapter. :class:`AdapterParameterDict` keeps the ``ParameterDict`` interface (``layer.oftv2_Q[name]`` is
-the tensor) while laying the parameters out as PEFT's module-based tuners do.
+dot after the adapter name, so that copy silently skipped such parameters and the "reference" was a fresh adapter
+(an identity rotation for OFTv2, a zero vector for steering). :class:`AdapterParameterDict` keeps the
+``ParameterDict`` interface (``layer.oftv2_Q[name]``, ``layer.steer_vector[name]`` is the tensor) while laying the
+parameters out as PEFT's module-based tuners do. OFTv2 (``oftv2_Q``) and steering (``steer_vector``) use it.
 
-Saved adapters: the state dict key is ``<layer>.oftv2_Q.weight`` (PEFT's OFT: ``<layer>.oft_R.weight``). Adapters
-saved before this layout (``<layer>.oftv2_Q``) still load: :func:`upgrade_legacy_keys` renames the old keys before
-PEFT >= 0.21 maps checkpoint keys onto the model (``OFTv2Model._remap_adapter_state_dict_for_load``), and a load
-hook renames ``<layer>.oftv2_Q.<adapter>`` for older PEFT releases, which insert the adapter name themselves.
+Saved adapters: the state dict key is ``<layer>.<attr>.weight`` (PEFT's OFT: ``<layer>.oft_R.weight``). Adapters
+saved before this layout (``<layer>.<attr>``) still load: :func:`upgrade_legacy_keys` renames the old keys before
+PEFT >= 0.21 maps checkpoint keys onto the model (:class:`UpgradesLegacyKeys`, a tuner mixin), and a load
+hook renames ``<layer>.<attr>.<adapter>`` for older PEFT releases, which insert the adapter name themselves (and
+for full ``state_dict()`` checkpoints, such as Lightning's, which carry it).
+
+A leaf module (DESIGN.md §2): it imports torch only, so every method package may use it.
 """
 
 from __future__ import annotations
@@ -50,6 +54,28 @@ def upgrade_legacy_keys(state_dict: dict[str, torch.Tensor], attrs: tuple[str, .
     """
     suffixes = tuple(f".{a}" for a in attrs)
     return {(f"{k}.{PARAM_NAME}" if k.endswith(suffixes) else k): v for k, v in state_dict.items()}
+
+
+class UpgradesLegacyKeys:
+    """Mixin for a PEFT ``BaseTuner`` (listed before it) whose ``tuner_layer_cls`` keeps every tensor of its
+    ``adapter_layer_names`` in an :class:`AdapterParameterDict`: checkpoints saved before that layout load.
+
+    PEFT (>= 0.21) maps checkpoint keys onto the model's in ``_remap_adapter_state_dict_for_load``; the old keys
+    ``<layer>.<attr>`` are renamed to ``<layer>.<attr>.weight`` first (:func:`upgrade_legacy_keys`).
+    """
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
+        """PEFT's key mapping, after the legacy keys were renamed.
+
+        Args:
+            model: The PEFT model.
+            config: The adapter's config.
+            adapter_name: Name the adapter is loaded under.
+            state_dict: The checkpoint's tensors (adapter name removed).
+        """
+        state_dict = upgrade_legacy_keys(state_dict, cls.tuner_layer_cls.adapter_layer_names)
+        return super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
 
 
 def _rename_legacy_keys(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
