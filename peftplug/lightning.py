@@ -18,6 +18,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from peft import PeftConfig
 
+from peftplug.adapter_params import PARAM_NAME
 from peftplug.answers import answer_matches
 from peftplug.compiling import ModelCompiler
 from peftplug.errors import ConfigError
@@ -538,6 +539,9 @@ class PeftModule(L.LightningModule):
             state = checkpoint_module_state(self.trainer.ckpt_path)
         state = state or {}
         own = self.state_dict()
+        if not sharded:  # adapter keys from before peftplug.adapter_params: `...oftv2_Q.default` -> `....default.weight`
+            for key in [k for k in state if k not in own and f"{k}.{PARAM_NAME}" in own]:
+                state[f"{key}.{PARAM_NAME}"] = state.pop(key)
         unknown = [k for k in state if k not in own]
         expected = set(self.adapter_state_keys())
         missing = sorted(expected - set(state))
