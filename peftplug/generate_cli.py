@@ -74,21 +74,41 @@ class Generator:
     def encode(self, messages: list[dict[str, str]], raw: bool = False) -> list[int]:
         """Token ids of a conversation ending in the assistant's turn (or of raw text).
 
+        The chat template is applied by the encoder training uses (:func:`peftplug.data.conversations.
+        encode_conversation`), so a prompt is the very token sequence a trained prompt was: contents tokenized
+        apart from the template's text and trimmed where the template trims. A template that encoder cannot split
+        (training refuses it) is rendered and tokenized whole.
+
         Args:
             messages: ``[{"role": "user" | "assistant", "content": ...}, ...]`` without the system message.
             raw: Treat the last message's content as plain text (no template, no history).
+
+        Raises:
+            ConfigError: If the tokenizer has no chat template, or the template refuses the conversation.
         """
+        from peftplug.data.conversations import Turn, encode_conversation, with_system
+        from peftplug.errors import DataError
+
         if raw:
             return self.tokenizer(messages[-1]["content"])["input_ids"]
         if not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError("the tokenizer has no chat template; use --raw")
+        # The answer's turn is a stand-in: generation_only encodes up to its start (the assistant header).
+        turns = with_system([Turn(m["role"], m["content"]) for m in messages] + [Turn("assistant", "", True)],
+                            self.system)
+        try:
+            return encode_conversation(self.tokenizer, turns, sys.maxsize, generation_only=True).input_ids
+        except DataError as err:  # the template's own refusal, e.g. a system turn Gemma's template does not take
+            raise ConfigError(str(err)) from None
+        except ConfigError:
+            pass
         system = [{"role": "system", "content": self.system}] if self.system is not None else []
         text = self.tokenizer.apply_chat_template(system + messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def answer(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                seed: int = 0) -> list[str]:
-        """Answers a batch of encoded prompts (left-padded together).
+        """Answers a batch of encoded prompts (left-padded together), each up to its end-of-turn token.
 
         Args:
             prompts: Token id lists from :meth:`encode`.
@@ -108,7 +128,6 @@ class Generator:
         with torch.inference_mode():
             return self.module.generate_texts(batch["input_ids"], batch["attention_mask"], max_new_tokens,
                                               temperature=temperature)
-
 
     def position_limit(self) -> int | None:
         """The size of the model's learned position table (GPT-2's ``wpe``, OPT's ``embed_positions``, BERT-style

@@ -229,12 +229,14 @@ class PeftModule(L.LightningModule):
             max_new_tokens: Tokens to generate at most (default: ``max_new_tokens`` of the module).
             temperature: 0 for greedy decoding; above 0, sampling at this temperature (seed torch's RNG first).
         """
+        from peftplug.data.conversations import stop_token_ids
+
         tokenizer = self.tokenizer
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-        generated = self.model.generate(
+        generated = self.model.generate(  # stops at eos and the template's end of turn (Gemma: <end_of_turn>)
             input_ids=input_ids, attention_mask=attention_mask, **sampling,
             max_new_tokens=max_new_tokens or self.hparams.max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids(tokenizer),
         )
         return tokenizer.batch_decode(generated[:, input_ids.shape[1]:], skip_special_tokens=True)
 

@@ -17,8 +17,12 @@ Turns after the last assistant turn with loss are dropped (they carry no loss an
 
 Encoding (:func:`encode_conversation`): the conversation is rendered once with a placeholder per content, and the
 text between the placeholders is the template's own (as :mod:`peftplug.data.chat` does for a prompt/response pair).
-Labels are the tokens of every assistant content with loss, plus the template's tokens right after it up to and
-including the end-of-turn token (``tokenizer.eos_token``; ChatML's ``<|im_end|>``); everything else is -100. A
+Contents are trimmed where the template trims them (Llama 3's and Gemma's ``| trim``, told by whitespace put around
+the placeholders), and a template's own refusal of a conversation (``raise_exception``) is a one-line
+:class:`~peftplug.errors.DataError`. Labels are the tokens of every assistant content with loss, plus the template's
+tokens right after it up to and including the end-of-turn token (:func:`turn_end`: ``tokenizer.eos_token``, ChatML's
+``<|im_end|>`` in instruct tokenizers, else the first special token, Gemma's ``<end_of_turn>``); everything else is
+-100. A
 conversation longer than ``max_length`` loses whole earlier exchanges (a user turn and the answers after it), oldest
 first, the system turn kept; when the last exchange alone is too long, the last user turn is cut from its end; when
 even that leaves it no token, the row is an error.
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peftplug.data.files import no_room
-from peftplug.errors import ConfigError, DataError
+from peftplug.errors import ConfigError, DataError, one_line
 
 MESSAGES, SHAREGPT = "messages", "conversations"
 ROLES = ("system", "user", "assistant")
@@ -174,26 +178,51 @@ def _token_ids(tokenizer: Any, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+# Whitespace around each placeholder: a template that trims contents (Llama 3's and Gemma's `| trim`, Llama 2's
+# `.strip()`) removes it, which tells that the real contents are trimmed too. Tabs make it unlike template text.
+_PAD = " \t\n\t "
+
+
+def _render(tokenizer: Any, messages: list[dict], roles: tuple[str, ...], **kwargs: Any) -> str:
+    """``apply_chat_template`` as text; a template's own refusal (``raise_exception``: roles that do not alternate,
+    no system role) becomes a one-line :class:`DataError` (the caller names the row)."""
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except jinja2.TemplateError as err:
+        raise DataError(f"the chat template refuses a conversation with the roles {', '.join(roles)}: "
+                        f"{one_line(err, 200)}") from None
+
+
 @functools.lru_cache(maxsize=256)
-def _template_pieces(tokenizer: Any, template: str, roles: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-    """The template's own token ids around the contents of a conversation with these roles: ``len(roles) + 1``
-    pieces, piece ``i`` before content ``i``, the last after the last content. ``template`` is part of the cache
-    key only (a tokenizer's template can be replaced)."""
-    messages = [{"role": role, "content": _placeholder(i)} for i, role in enumerate(roles)]
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
-    texts, rest = [], full
+def _template_split(tokenizer: Any, template: str, roles: tuple[str, ...]) -> tuple[tuple[tuple[int, ...], ...],
+                                                                                    tuple[tuple[bool, bool], ...]]:
+    """The template's own token ids around the contents of a conversation with these roles (``len(roles) + 1``
+    pieces, piece ``i`` before content ``i``, the last after the last content), and whether the template strips
+    each content's (start, end). ``template`` is part of the cache key only (a tokenizer's template can be
+    replaced)."""
+    messages = [{"role": role, "content": _PAD + _placeholder(i) + _PAD} for i, role in enumerate(roles)]
+    full = _render(tokenizer, messages, roles)
+    texts, strips, rest = [], [], full
     for i in range(len(roles)):
         before, found, rest = rest.partition(_placeholder(i))
         if not found:
             raise ConfigError(f"data: the chat template does not render every turn's content in order (roles "
                               f"{', '.join(roles)})")
-        texts.append(before)
-    texts.append(rest)
-    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-    if prompt != full[: full.index(_placeholder(len(roles) - 1))]:
+        if i and not strips[-1][1]:
+            before = before.removeprefix(_PAD)  # the previous content's end, kept by the template
+        strip_start = not before.endswith(_PAD)
+        texts.append(before if strip_start else before.removesuffix(_PAD))
+        strips.append((strip_start, not rest.startswith(_PAD)))
+    texts.append(rest if strips[-1][1] else rest.removeprefix(_PAD))
+    start = len(full) - len(rest) - len(_placeholder(len(roles) - 1)) - (0 if strips[-1][0] else len(_PAD))
+    prompt = _render(tokenizer, messages[:-1], roles[:-1], add_generation_prompt=True)
+    if prompt != full[:start]:
         # Templates that render the prompt differently with and without the answer cannot be split exactly.
         raise ConfigError("data: the chat template renders the prompt differently with and without the answer")
-    return tuple(tuple(_token_ids(tokenizer, text)) for text in texts)
+    pieces = tuple(tuple(_token_ids(tokenizer, text)) for text in texts)
+    return pieces, tuple(strips)
 
 
 def template_pieces(tokenizer: Any, roles: tuple[str, ...]) -> list[list[int]]:
@@ -206,23 +235,76 @@ def template_pieces(tokenizer: Any, roles: tuple[str, ...]) -> list[list[int]]:
 
     Raises:
         ConfigError: If the tokenizer has no chat template, or the template cannot be split exactly.
+        DataError: If the template refuses these roles (its own ``raise_exception``).
     """
+    return [list(piece) for piece in _template_split(tokenizer, _template_of(tokenizer), tuple(roles))[0]]
+
+
+def content_strips(tokenizer: Any, roles: tuple[str, ...]) -> list[tuple[bool, bool]]:
+    """Whether the chat template strips whitespace from the start and the end of each content (``| trim`` in
+    Llama 3's and Gemma's templates), so that a content is encoded as the template renders it.
+
+    Args:
+        tokenizer: A tokenizer with a chat template.
+        roles: The conversation's roles, in order (the last must be ``assistant``).
+    """
+    return list(_template_split(tokenizer, _template_of(tokenizer), tuple(roles))[1])
+
+
+def _template_of(tokenizer: Any) -> str:
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise ConfigError("data: the tokenizer has no chat template; use CausalLMData for plain prompt/response text")
-    return [list(piece) for piece in _template_pieces(tokenizer, str(template), tuple(roles))]
+    return str(template)
+
+
+def _strip(text: str, strip: tuple[bool, bool]) -> str:
+    text = text.lstrip() if strip[0] else text
+    return text.rstrip() if strip[1] else text
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", None) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return ids | {i for i, token in added.items() if getattr(token, "special", False)}
 
 
 def turn_end(tokenizer: Any, tail: list[int]) -> list[int]:
     """The template's tokens that end an answer: ``tail`` (the text after the last answer) up to and including the
     end-of-turn token, what the model must learn to emit; what follows it (a newline) is never generated.
 
+    The end-of-turn token is ``tokenizer.eos_token`` where the tail holds it (ChatML's ``<|im_end|>`` in SmolLM2's
+    and Qwen's instruct tokenizers), else the tail's first special token: tokenizers whose ``eos_token`` ends the
+    document, not the turn (Gemma's ``<end_of_turn>``, Phi-3's ``<|end|>``, ChatML on a base model's tokenizer).
+
     Args:
-        tokenizer: The tokenizer (its ``eos_token_id`` is the end-of-turn token).
+        tokenizer: The tokenizer.
         tail: The last template piece, from :func:`template_pieces`.
     """
     eos = tokenizer.eos_token_id
-    return tail[: tail.index(eos) + 1] if eos in tail else list(tail)
+    if eos in tail:
+        return tail[: tail.index(eos) + 1]
+    special = _special_ids(tokenizer)
+    ends = [n for n, token in enumerate(tail) if token in special]
+    return tail[: ends[0] + 1] if ends else list(tail)
+
+
+def stop_token_ids(tokenizer: Any) -> list[int]:
+    """The tokens that end a generated answer: ``eos_token`` and the chat template's end-of-turn token
+    (:func:`turn_end`), which differ for Gemma, Phi-3 and ChatML on a base model's tokenizer.
+
+    Args:
+        tokenizer: The tokenizer (with or without a chat template).
+    """
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            end = turn_end(tokenizer, template_pieces(tokenizer, ("user", "assistant"))[-1])
+        except (ConfigError, DataError):
+            end = []  # a template this module cannot split: eos alone, as before
+        if end and end[-1] in _special_ids(tokenizer) and end[-1] not in ids:
+            ids.append(end[-1])
+    return ids
 
 
 def _common_prefix(piece: list[int], end: list[int]) -> int:
@@ -259,12 +341,22 @@ def encode_conversation(tokenizer: Any, turns: list[Turn], max_length: int,
         DataError: If the last exchange cannot fit ``max_length`` even with its user turn cut to one token.
         ConfigError: If the tokenizer has no usable chat template.
     """
-    contents = [_token_ids(tokenizer, t.content) for t in turns]
+    tokenized: dict[str, list[int]] = {}
+
+    def content_ids(text: str) -> list[int]:
+        if text not in tokenized:
+            tokenized[text] = _token_ids(tokenizer, text)
+        return tokenized[text]
+
     starts = _exchange_starts(turns)
     keep_system = 1 if turns[0].role == "system" else 0
     for start in starts:
-        kept, kept_contents = turns[:keep_system] + turns[start:], contents[:keep_system] + contents[start:]
-        pieces = template_pieces(tokenizer, tuple(t.role for t in kept))
+        kept = turns[:keep_system] + turns[start:]
+        roles = tuple(t.role for t in kept)
+        pieces = template_pieces(tokenizer, roles)
+        # As the template renders them: trimmed where it trims (else training sees whitespace generation never does).
+        kept_contents = [content_ids(_strip(t.content, strip))
+                         for t, strip in zip(kept, content_strips(tokenizer, roles))]
         end = turn_end(tokenizer, pieces[-1])
         length = _length(pieces, kept_contents, end, generation_only)
         if length <= max_length:
