@@ -6,7 +6,9 @@ Examples::
     peftplug generate --model smollm2-135m-instruct --prompt "What is the capital of France?"
     peftplug chat --ckpt_path runs/quickstart/.../last.ckpt
 
-Prompts go through the tokenizer's chat template (``--raw`` sends them as plain text). The system prompt defaults
+Prompts go through the tokenizer's chat template (``--raw`` sends them as plain text), except for a checkpoint
+trained on plain prompt/response rows (``CausalLMData``, recorded in the checkpoint), whose prompts are plain text
+as in training. The system prompt defaults
 to the one the checkpoint was trained with (recorded by :class:`peftplug.chat_data.ChatData`), so a finetuned
 model sees its prompts exactly as in training. Decoding is greedy unless ``--temperature`` is above 0.
 """
@@ -52,14 +54,18 @@ class Generator:
     """
 
     def __init__(self, ckpt_path: str | None = None, model: str | None = None, system: str | None = None) -> None:
-        from peftplug.lightning import PeftModule
+        from peftplug.lightning import CHECKPOINT_KEY, PeftModule
 
+        self.plain = False
         if (ckpt_path is None) == (model is None):
             raise ConfigError("give exactly one of ckpt_path and model")
         if ckpt_path is not None:
             from peftplug.checkpoints import load_checkpoint_module, read_checkpoint
 
-            data_hparams = read_checkpoint(ckpt_path, mmap=True).get("datamodule_hyper_parameters") or {}
+            checkpoint = read_checkpoint(ckpt_path, mmap=True)
+            data_hparams = checkpoint.get("datamodule_hyper_parameters") or {}
+            # Trained on plain prompt/response rows (CausalLMData): prompt it with plain text too, not the template.
+            self.plain = (checkpoint.get(CHECKPOINT_KEY) or {}).get("prompts") == "plain"
             self.module = load_checkpoint_module(ckpt_path)
             if system is None:
                 system = data_hparams.get("system_prompt")
@@ -81,7 +87,8 @@ class Generator:
 
         Args:
             messages: ``[{"role": "user" | "assistant", "content": ...}, ...]`` without the system message.
-            raw: Treat the last message's content as plain text (no template, no history).
+            raw: Treat the last message's content as plain text (no template, no history); always so for a
+                checkpoint trained on plain prompts.
 
         Raises:
             ConfigError: If the tokenizer has no chat template, or the template refuses the conversation.
@@ -89,7 +96,7 @@ class Generator:
         from peftplug.data.conversations import Turn, encode_conversation, with_system
         from peftplug.errors import DataError
 
-        if raw:
+        if raw or self.plain:
             return self.tokenizer(messages[-1]["content"])["input_ids"]
         if not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError("the tokenizer has no chat template; use --raw")

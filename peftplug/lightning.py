@@ -510,7 +510,8 @@ class PeftModule(L.LightningModule):
         """
         keys = set(self.adapter_state_keys())
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keys}
-        checkpoint[CHECKPOINT_KEY] = {"format": CHECKPOINT_FORMAT, "keys": sorted(keys), "task": self.task}
+        checkpoint[CHECKPOINT_KEY] = {"format": CHECKPOINT_FORMAT, "keys": sorted(keys), "task": self.task,
+                                      "prompts": getattr(self.trainer.datamodule, "prompt_format", None)}
         # Lightning saves no RNG state; dropout draws from torch's global generator, so an exact resume needs it.
         # Under DDP rank 0's is saved: every rank is seeded alike and draws alike.
         checkpoint[RNG_KEY] = rng_state()

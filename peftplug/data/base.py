@@ -59,6 +59,11 @@ class TokenizedDataModule(L.LightningDataModule):
         ConfigError: If a size is out of range (the message names the ``data.`` field).
     """
 
+    #: How the module turns a prompt into tokens, recorded in ``peftplug fit`` checkpoints so that ``peftplug
+    #: generate`` prompts the trained model the same way: ``"plain"`` (the tokenizer on the text), ``"chat"`` (the
+    #: chat template), ``None`` (not text prompts, or not said).
+    prompt_format: str | None = None
+
     def __init__(self, tokenizer: str | None, max_length: int, batch_size: int, eval_batch_size: int | None,
                  num_workers: int, seed: int) -> None:
         super().__init__()

@@ -36,6 +36,8 @@ class CausalLMData(TokenizedDataModule):
         seed: Seed of the validation split and of the shuffling.
     """
 
+    prompt_format = "plain"
+
     def __init__(
         self,
         train_file: str | None = None,

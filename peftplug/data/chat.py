@@ -115,6 +115,8 @@ class ChatData(TokenizedDataModule):
         seed: Seed of the validation split and of the shuffling.
     """
 
+    prompt_format = "chat"
+
     def __init__(
         self,
         train_file: str | None = None,
