@@ -6,6 +6,12 @@ model or an adapter) then falls back, at the first call that meets the break, to
 eagerly — with one warning naming the layer, the code line and dynamo's reason. ``compile: strict`` raises that line
 as a :class:`~peftplug.errors.ConfigError` instead (CI, benchmarks). ``compile_options`` passes ``backend``,
 ``mode``, ``dynamic`` and ``options`` on to ``torch.compile``.
+
+The other way ``fullgraph=True`` stops a run is dynamo's recompile limit (``torch._dynamo.config.recompile_limit``,
+8 graphs of the model's forward): each new combination of grad mode, ``inference_mode``, batch size 1 or a
+first-seen shape compiles a graph, and a fit with validation, a test before and after and a predict reaches it.
+Without ``fullgraph`` dynamo runs such calls eagerly; with it, it raises. That too falls back (or, when strict,
+stops in one line).
 """
 
 from __future__ import annotations
@@ -68,6 +74,60 @@ def is_graph_break(err: BaseException) -> bool:
     return isinstance(err, (exc.Unsupported, exc.UserError))
 
 
+def is_recompile_limit(err: BaseException) -> bool:
+    """Whether ``err`` is dynamo refusing, under ``fullgraph=True``, to compile one more graph of a function that
+    reached its recompile limit (without ``fullgraph`` dynamo would run that call eagerly instead).
+
+    Args:
+        err: An exception raised by a compiled call.
+    """
+    from torch._dynamo import exc
+
+    # Named FailOnCacheLimitHit in older torch releases (their CacheLimitExceeded is an Unsupported: is_graph_break).
+    types = tuple(getattr(exc, name) for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit") if hasattr(exc, name))
+    return isinstance(err, types)
+
+
+def raised_by_model(err: BaseException) -> bool:
+    """Whether the graph break ``err`` is an exception that the traced code itself raises and does not catch (a
+    ``ValueError`` of the model for a bad batch, say): dynamo stops tracing there as at any break.
+
+    Args:
+        err: A graph break (see :func:`is_graph_break`).
+    """
+    from torch._dynamo import exc
+
+    observed = getattr(exc, "ObservedException", None)
+    return observed is not None and isinstance(err.__cause__, observed)
+
+
+def run_eagerly(model: nn.Module, fn, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with ``model``'s in-place compilation (``nn.Module.compile``) switched off.
+
+    Args:
+        model: A model compiled by :func:`compile_model`.
+        fn: A callable that runs it.
+        *args: Its positional arguments.
+        **kwargs: Its keyword arguments.
+    """
+    compiled = model._compiled_call_impl
+    model._compiled_call_impl = None
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        model._compiled_call_impl = compiled
+
+
+def describe_recompile_limit() -> str:
+    """One line: which limit was reached and what compiles a new graph (dynamo logs the last guard that failed)."""
+    from torch._dynamo import config
+
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # the older name
+    return (f"the model's forward reached dynamo's recompile limit (torch._dynamo.config.{name} = {getattr(config, name)} "
+            "graphs; each new grad mode, inference_mode, batch size 1 or input shape compiles one; "
+            "TORCH_LOGS=recompiles names them)")
+
+
 def _runs(code: Any, frame: Any, path: str) -> bool:
     """Whether ``frame`` (a traceback frame summary) executes ``code``: same file and name, and its line inside the
     code's lines (two classes of one file both define ``forward``)."""
@@ -100,11 +160,14 @@ def describe_graph_break(model: nn.Module, err: BaseException) -> str:
     where = f"{stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}" if stack else "an unknown line"
     layer = next((owner for frame in reversed(stack) if (owner := _owner(model, frame))), None)
     reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+    if raised_by_model(err):  # "Observed exception": name the exception, "raised exception RuntimeError('...')"
+        reason = f"{reason}: {err.__cause__}"
     return one_line(f"layer {layer or 'unknown'} at {where}: {reason}", limit=600)
 
 
 def fall_back_or_raise(model: nn.Module, err: BaseException, strict: bool, options: dict) -> None:
-    """Handles a graph break met under ``fullgraph=True``: one-line error (``strict``) or a warned fallback.
+    """Handles a graph break or the recompile limit met under ``fullgraph=True``: one-line error (``strict``) or a
+    warned fallback.
 
     Args:
         model: The compiled model (recompiled without ``fullgraph`` when not ``strict``).
@@ -115,12 +178,17 @@ def fall_back_or_raise(model: nn.Module, err: BaseException, strict: bool, optio
     Raises:
         ConfigError: When ``strict``, naming the layer and the reason.
     """
-    where = describe_graph_break(model, err)
+    if is_recompile_limit(err):
+        what, where, eager, fallback = ("cannot compile one more graph", describe_recompile_limit(),
+                                        "calls past the limit run eagerly", "eager calls past the limit")
+    else:
+        what, where, eager, fallback = ("cannot trace the model whole", describe_graph_break(model, err),
+                                        "that part runs eagerly", "graph breaks")
     if strict:
-        raise ConfigError(f"model.compile: strict: torch.compile(fullgraph=True) cannot trace the model whole: {where}"
-                          " (set model.compile: true to fall back to graph breaks)") from err
-    warnings.warn(f"peftplug: torch.compile(fullgraph=True) cannot trace the model whole, falling back to "
-                  f"fullgraph=False (that part runs eagerly): {where}", stacklevel=3)
+        raise ConfigError(f"model.compile: strict: torch.compile(fullgraph=True) {what}: {where}"
+                          f" (set model.compile: true to fall back to {fallback})") from err
+    warnings.warn(f"peftplug: torch.compile(fullgraph=True) {what}, falling back to fullgraph=False ({eager}): "
+                  f"{where}", stacklevel=3)
     compile_model(model, fullgraph=False, options=options)
 
 
@@ -152,9 +220,12 @@ class ModelCompiler:
             compile_model(model, fullgraph=True, options=self.options)
 
     def call(self, fn, *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)``; a graph break under ``fullgraph=True`` falls back (or raises, when strict).
+        """``fn(*args, **kwargs)``; a graph break or the recompile limit under ``fullgraph=True`` falls back (or
+        raises, when strict).
 
-        Dynamo refuses a break while tracing, before running anything, so repeating the call is safe.
+        Dynamo refuses either before running anything (while tracing, or at the frame's entry), so repeating the
+        call is safe. An exception raised by the model itself (a bad batch) stops tracing like a break: that call runs
+        eagerly, so that the model's own error is what the user sees, and only if it then succeeds is it a break.
 
         Args:
             fn: A callable that runs the compiled model.
@@ -163,9 +234,12 @@ class ModelCompiler:
         """
         try:
             return fn(*args, **kwargs)
-        except Exception as err:  # re-raised below unless it is dynamo refusing a graph break
-            if not (self.fullgraph and self.model is not None and is_graph_break(err)):
+        except Exception as err:  # re-raised below unless dynamo refused a graph break or one more recompile
+            if not (self.fullgraph and self.model is not None and (is_graph_break(err) or is_recompile_limit(err))):
                 raise
+            result = run_eagerly(self.model, fn, *args, **kwargs) if raised_by_model(err) else None
             fall_back_or_raise(self.model, err, self.strict, self.options)
             self.fullgraph = False
+            if raised_by_model(err):
+                return result  # computed eagerly above; running it again would repeat its random draws (dropout)
         return fn(*args, **kwargs)
