@@ -22,6 +22,8 @@ from typing import Any
 from peftplug.errors import ConfigError
 
 RNG_KEY = "peftplug_rng"
+#: The file every ``torch.distributed.checkpoint`` folder holds (its index of the shards).
+DISTRIBUTED_METADATA = ".metadata"
 
 
 def rng_state() -> dict[str, Any]:
@@ -72,7 +74,20 @@ def find_last_checkpoint(root: str | os.PathLike) -> Path:
     """
     folder = Path(root).expanduser()
     # Partial writes are never named *.ckpt (they are hidden temporary files until renamed), so any match is whole.
-    found = [p for p in folder.rglob("*.ckpt") if p.is_file()] if folder.is_dir() else []
+    matches = list(folder.rglob("*.ckpt")) if folder.is_dir() else []
+    found = [p for p in matches if p.is_file()]
+    # ModelParallelStrategy's default (save_distributed_checkpoint: true) writes each checkpoint as a folder named
+    # *.ckpt, which peftplug cannot read; saying "no checkpoint", or silently taking an older file, would hide that.
+    folders = [p for p in matches if p.is_dir() and (p / DISTRIBUTED_METADATA).is_file()]
+    newest_file = max((p.stat().st_mtime_ns for p in found), default=-1)
+    newer = [p for p in folders if p.stat().st_mtime_ns > newest_file]
+    if newer:
+        newest = max(newer, key=lambda p: p.stat().st_mtime_ns)
+        raise ConfigError(
+            f"ckpt_path: 'last' is the distributed checkpoint folder {str(newest)!r}"
+            " (FSDP2 with save_distributed_checkpoint: true, Lightning's default), which peftplug cannot resume or "
+            "export; train with trainer.strategy.init_args.save_distributed_checkpoint: false (docs/cli.md)"
+        )
     if not found:
         raise ConfigError(
             f"ckpt_path: 'last' found no checkpoint under trainer.default_root_dir {str(folder)!r}; give the path "
