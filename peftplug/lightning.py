@@ -37,6 +37,7 @@ from peftplug.resume import RNG_KEY, restore_rng, rng_state
 from peftplug.schedules import build_lr_scheduler, check_resumed_length
 from peftplug.sharding import (
     FSDP_MIXED_PRECISIONS,
+    check_checkpoint_files,
     checkpoint_module_state,
     data_parallel_mesh,
     is_sharded,
@@ -189,15 +190,12 @@ class PeftModule(L.LightningModule):
         return self.model(**batch)
 
     def _counted_loss(self, batch: dict, output: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of per-item losses, number of items): items are examples or predicted tokens."""
-        labels = batch["labels"]
-        if self.task in CLASSIFICATION_TASKS:
-            count = torch.tensor(labels.shape[0], device=labels.device)
-        elif self.task == "causal_lm":
-            count = (labels[:, 1:] != -100).sum()  # the model shifts labels by one
-        else:
-            count = (labels != -100).sum()
-        return output.loss.detach().float() * count, count
+        """(sum of per-item losses, number of items): items are examples or predicted tokens; label -100 is none
+        (prompt tokens, padding, and the rows that pad an evaluation split to a multiple of the ranks)."""
+        labels = batch["labels"][:, 1:] if self.task == "causal_lm" else batch["labels"]  # causal LMs shift by one
+        count = (labels != -100).sum()
+        # The mean over no items is NaN (and NaN * 0 is NaN): such a batch (all padding) adds 0.
+        return torch.where(count > 0, output.loss.detach().float() * count, 0.0), count
 
     def _accumulate(self, name: str, value: torch.Tensor) -> None:
         value = value.detach().float()
@@ -214,9 +212,10 @@ class PeftModule(L.LightningModule):
         elif "gen_input_ids" in batch and self.tokenizer is not None:
             # Chat data (peftplug.chat_data) carries left-padded prompts and reference answers: answer accuracy.
             texts = self.generate_texts(batch["gen_input_ids"], batch["gen_attention_mask"])
-            correct = sum(answer_matches(t, a) for t, a in zip(texts, batch["gen_answers"]))
+            pairs = [(t, a) for t, a in zip(texts, batch["gen_answers"]) if a is not None]  # None: a padding row
+            correct = sum(answer_matches(t, a) for t, a in pairs)
             self._accumulate(f"{stage}_gen_correct", torch.tensor(float(correct), device=self.device))
-            self._accumulate(f"{stage}_gen_count", torch.tensor(float(len(texts)), device=self.device))
+            self._accumulate(f"{stage}_gen_count", torch.tensor(float(len(pairs)), device=self.device))
 
     def generate_texts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        max_new_tokens: int | None = None, temperature: float = 0.0) -> list[str]:
@@ -429,14 +428,17 @@ class PeftModule(L.LightningModule):
 
         Each transformer block (the model's ``_no_split_modules``) and then the transformers model become FSDP2
         units over the strategy's data-parallel mesh (:func:`peftplug.sharding.shard_model`), with
-        ``fsdp_mixed_precision``'s policy; adapters that cannot be sharded are refused in one line. Lightning calls
-        this before building the optimizer, and again for every later ``fit``/``test``: a sharded model stays as
-        it is.
+        ``fsdp_mixed_precision``'s policy; adapters that cannot be sharded, and a fit that would save checkpoint
+        folders (:func:`peftplug.sharding.check_checkpoint_files`), are refused in one line. Lightning calls this
+        before building the optimizer, and again for every later ``fit``/``test``: a sharded model stays as it is.
         """
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         trainer = self._trainer
-        if trainer is None or not isinstance(trainer.strategy, ModelParallelStrategy) or is_sharded(self.model):
+        if trainer is None or not isinstance(trainer.strategy, ModelParallelStrategy):
+            return
+        check_checkpoint_files(trainer)  # every fit, even of a model sharded already
+        if is_sharded(self.model):
             return
         mixed = self.hparams.get("fsdp_mixed_precision", "none")
         units = shard_model(self.model, data_parallel_mesh(self.device_mesh), mixed)

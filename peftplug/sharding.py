@@ -124,6 +124,27 @@ def data_parallel_mesh(device_mesh: Any) -> Any:
     return device_mesh["data_parallel"]
 
 
+def check_checkpoint_files(trainer: Any) -> None:
+    """Refuses a ``fit`` under ``ModelParallelStrategy`` with ``save_distributed_checkpoint: true`` (Lightning's
+    default), before anything is trained: its checkpoints are ``torch.distributed.checkpoint`` folders, which
+    ``--ckpt_path``, ``export`` and ``generate`` cannot read, so a long run would end without a usable adapter.
+    ``validate``/``test``/``predict`` write no checkpoint and are let through.
+
+    Args:
+        trainer: The Lightning trainer (its strategy a ``ModelParallelStrategy``).
+
+    Raises:
+        ConfigError: Naming the setting to change.
+    """
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    if trainer.state.fn == TrainerFn.FITTING and getattr(trainer.strategy, "_save_distributed_checkpoint", False):
+        raise ConfigError(
+            "trainer.strategy: ModelParallelStrategy with save_distributed_checkpoint: true (Lightning's default) "
+            "writes checkpoints as folders, which peftplug cannot resume or export; set "
+            "trainer.strategy.init_args.save_distributed_checkpoint: false (one .ckpt of the adapter, see docs/cli.md)")
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether ``fully_shard`` was applied to ``model`` or a module inside it.
 
@@ -237,6 +258,7 @@ def name_optimizer_states(optimizer_states: list[dict[str, Any]], module: torch.
 
 __all__ = [
     "FSDP_MIXED_PRECISIONS",
+    "check_checkpoint_files",
     "checkpoint_module_state",
     "data_parallel_mesh",
     "is_sharded",

@@ -3,6 +3,13 @@
 A data module reads its splits in ``setup`` into :attr:`TokenizedDataModule.splits` (lists of tokenized example
 dicts); the base class finds the tokenizer (its own ``tokenizer`` setting, else the one of the trainer's
 :class:`peftplug.lightning.PeftModule`, so a recipe names the model once), and builds the loaders.
+
+Evaluation under DDP/FSDP2: Lightning's own ``DistributedSampler`` would pad the evaluation set to a multiple of the
+number of ranks by repeating examples, and those repeats would be counted in ``val_loss``/``val_acc``. The evaluation
+loaders therefore shard the data themselves (:class:`RankPaddedRows`): the padding rows are copies whose loss and
+answers are masked (:meth:`TokenizedDataModule.padding_row`), so that they count for nothing, while every rank still
+runs the same number of batches (FSDP2's forward communicates). Lightning keeps a loader whose sampler is already a
+``DistributedSampler``.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from peftplug.data.resumable import EpochShuffleSampler, ResumableDataLoader
 from peftplug.errors import ConfigError, DataError
@@ -38,6 +45,38 @@ def pad_batch(features: list[dict[str, list[int]]], pad_id: int, left: bool = Fa
     return batch
 
 
+def mask_labels(example: dict) -> dict:
+    """A copy of a tokenized example that carries no loss: token ``labels`` all -100, a class label -100.
+
+    Args:
+        example: An example dict; other fields are kept, so the copy has the shape of the original.
+    """
+    labels = example.get("labels")
+    return {**example, "labels": [-100] * len(labels) if isinstance(labels, list) else -100}
+
+
+class RankPaddedRows(Dataset):
+    """Evaluation rows padded to a multiple of ``ranks`` with masked copies of the first rows.
+
+    Args:
+        rows: The split's example dicts.
+        ranks: Number of data-parallel ranks.
+        masked: Turns an example into its padding copy (one that contributes to no metric).
+    """
+
+    def __init__(self, rows: list[dict], ranks: int, masked: Any) -> None:
+        self.rows, self.masked = rows, masked
+        self.size = -(-len(rows) // ranks) * ranks
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict:
+        if index < len(self.rows):
+            return self.rows[index]
+        return self.masked(self.rows[index % len(self.rows)])
+
+
 class TokenizedDataModule(L.LightningDataModule):
     """A LightningDataModule of tokenized examples: the base of every peftplug data module, and of yours.
 
@@ -45,7 +84,9 @@ class TokenizedDataModule(L.LightningDataModule):
     [...], "test": [...]}``, each a list of example dicts of int lists such as ``input_ids``, ``attention_mask``,
     ``labels``), calling :meth:`resolve_tokenizer` for the tokenizer; it may override :meth:`collate` (right
     padding by default). The loaders are built here: training batches in an order seeded by ``seed`` and the
-    epoch, from a loader that resumes mid-epoch (:mod:`peftplug.data.resumable`); evaluation batches in order.
+    epoch, from a loader that resumes mid-epoch (:mod:`peftplug.data.resumable`); evaluation batches in order,
+    sharded over the ranks under DDP/FSDP2 with masked padding rows (:meth:`padding_row`), so that metrics count
+    every example exactly once.
 
     Args:
         tokenizer: Tokenizer name/path; ``None`` borrows the tokenizer of the trainer's ``PeftModule``.
@@ -110,7 +151,8 @@ class TokenizedDataModule(L.LightningDataModule):
 
         Args:
             split: ``train``, ``validation`` or ``test``.
-            shuffle: Shuffle (seeded, training batch size) or not (evaluation batch size).
+            shuffle: Shuffle (seeded, training batch size) or not (evaluation batch size; under DDP/FSDP2 sharded
+                over the ranks with :meth:`padding_row` copies filling the last batches).
             collate: Collate function (default: :meth:`collate`).
 
         Raises:
@@ -119,8 +161,13 @@ class TokenizedDataModule(L.LightningDataModule):
         if split not in self.splits:
             raise DataError(f"no {split} data configured")
         if not shuffle:
-            return DataLoader(self.splits[split], batch_size=self.eval_batch_size, shuffle=False,
-                              num_workers=self.num_workers, collate_fn=collate or self.collate)
+            rows, ranks = self.splits[split], self._eval_ranks()
+            # Sharded here, not by Lightning, whose padding repeats would be counted (see the module docstring).
+            sampler = None if ranks is None else DistributedSampler(
+                RankPaddedRows(rows, ranks["num_replicas"], self.padding_row), ranks["num_replicas"], ranks["rank"],
+                shuffle=False)
+            return DataLoader(rows if sampler is None else sampler.dataset, batch_size=self.eval_batch_size,
+                              sampler=sampler, num_workers=self.num_workers, collate_fn=collate or self.collate)
         # Training order: seeded per epoch, and the position is saved in checkpoints (peftplug.data.resumable).
         # The loader's own generator only seeds its workers, so that the global RNG (dropout) is never drawn from.
         return ResumableDataLoader(
@@ -128,6 +175,31 @@ class TokenizedDataModule(L.LightningDataModule):
             num_workers=self.num_workers, collate_fn=collate or self.collate,
             generator=torch.Generator().manual_seed(self.seed), epoch_batches=self._epoch_batches,
         )
+
+    def _eval_ranks(self) -> dict[str, int] | None:
+        """``num_replicas`` and ``rank`` to shard evaluation over, or ``None`` on one rank (or when Lightning is
+        told not to shard: ``use_distributed_sampler=False``, and in ``predict``, whose sampler Lightning sets)."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            connector = getattr(trainer, "_accelerator_connector", None)
+            if getattr(trainer, "predicting", False) or not getattr(connector, "use_distributed_sampler", True):
+                return None
+            ranks = trainer.distributed_sampler_kwargs
+        elif torch.distributed.is_available() and torch.distributed.is_initialized():
+            ranks = {"num_replicas": torch.distributed.get_world_size(), "rank": torch.distributed.get_rank()}
+        else:
+            ranks = None
+        return ranks if ranks and ranks["num_replicas"] > 1 else None
+
+    def padding_row(self, example: dict) -> dict:
+        """The copy of ``example`` that pads an evaluation split to a multiple of the ranks: it must count in no
+        metric (:class:`peftplug.lightning.PeftModule` counts labels other than -100). Subclasses whose examples
+        carry more than ``labels`` for evaluation (chat answers) mask those too.
+
+        Args:
+            example: An example dict of the split.
+        """
+        return mask_labels(example)
 
     def _epoch_batches(self) -> int | None:
         """Batches per training epoch as Lightning runs them (``limit_train_batches``), if a trainer is attached."""

@@ -16,7 +16,9 @@ that names its file and row.
 Validation and test batches also carry the left-padded prompts (``gen_input_ids``, ``gen_attention_mask``: the
 conversation up to its last answer, ending with the assistant header) and the reference answers (``gen_answers``:
 the last assistant turn), so that :class:`peftplug.lightning.PeftModule` can generate greedily and log answer
-accuracy (:mod:`peftplug.answers`) next to the loss.
+accuracy (:mod:`peftplug.answers`) next to the loss. A row that only pads the split to a multiple of the ranks
+(DDP/FSDP2, :meth:`peftplug.data.base.TokenizedDataModule.padding_row`) has no loss and the answer ``None``, which
+the accuracy skips.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
-from peftplug.data.base import TokenizedDataModule, pad_batch
+from peftplug.data.base import TokenizedDataModule, mask_labels, pad_batch
 from peftplug.data.chat_files import PAIRS, chat_format, read_chat_splits
 from peftplug.data.classification import BBCNewsData
 from peftplug.data.conversations import (
@@ -214,6 +216,15 @@ class ChatData(TokenizedDataModule):
     def answers(self) -> dict[str, list[str]]:
         """The reference answers of every prepared split (after ``setup``)."""
         return {split: [e["answer_text"] for e in examples] for split, examples in self.splits.items()}
+
+    def padding_row(self, example: dict) -> dict:
+        """A copy of ``example`` without loss (labels -100) and with the answer ``None``, which generation accuracy
+        skips: it pads an evaluation split to a multiple of the ranks.
+
+        Args:
+            example: An example dict of the split.
+        """
+        return {**mask_labels(example), "answer_text": None}
 
     def collate(self, features: list[dict]) -> dict[str, torch.Tensor]:
         """Right-pads the examples' ``input_ids``, ``attention_mask`` and ``labels`` (the loss batch).
