@@ -20,3 +20,17 @@ def trl_args(tmp_path):
         })
 
     return make
+
+
+@pytest.fixture
+def decomposition(tmp_path):
+    """A saved PCT decomposition of three random source prompts (4 virtual tokens of width 64, the tiny models')."""
+    import torch
+
+    import prompt_transfer as pt
+
+    g = torch.Generator().manual_seed(0)
+    prompts = {f"src{i}": torch.randn(4, 64, generator=g) * 0.5 for i in range(3)}
+    path = tmp_path / "dec"
+    pt.save_decomposition(pt.decompose(prompts, contrastive_steps=30), str(path))
+    return str(path)

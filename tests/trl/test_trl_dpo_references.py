@@ -29,15 +29,6 @@ from steering import SteeringConfig
 IDS = torch.tensor([[5, 9, 14, 20, 33, 41]])
 
 
-@pytest.fixture
-def decomposition(tmp_path):
-    g = torch.Generator().manual_seed(0)
-    prompts = {f"src{i}": torch.randn(4, 64, generator=g) * 0.5 for i in range(3)}
-    path = tmp_path / "dec"
-    pt.save_decomposition(pt.decompose(prompts, contrastive_steps=30), str(path))
-    return str(path)
-
-
 def _logits(model) -> torch.Tensor:
     model.eval()
     with torch.no_grad():

@@ -164,15 +164,6 @@ def test_steering_refuses_tokens_added_by_the_chat_template(trl_args, token_addi
         )
 
 
-@pytest.fixture
-def decomposition(tmp_path):
-    g = torch.Generator().manual_seed(0)
-    prompts = {f"src{i}": torch.randn(4, 64, generator=g) * 0.5 for i in range(3)}
-    path = tmp_path / "dec"
-    pt.save_decomposition(pt.decompose(prompts, contrastive_steps=30), str(path))
-    return str(path)
-
-
 class PCTSFTTrainer(trl.SFTTrainer):
     """SFTTrainer plus PCT's auxiliary contrastive loss (the recipe docs/trl.md gives)."""
 
