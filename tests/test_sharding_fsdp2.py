@@ -13,11 +13,14 @@ tests/helene/test_zo_dtensor.py (per-shard z, placements kept, bit-for-bit repea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -62,10 +65,23 @@ def _recipe(root: Path, name: str, strategy, max_steps: int, optimizer: dict = A
 
 def _peftplug(*args: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([str(PEFTPLUG), *args], cwd=REPO, capture_output=True, text=True, timeout=600, env=env,
-                          check=False)
-    assert proc.returncode == 0, f"peftplug {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc.stdout + proc.stderr
+    # Output to files, not pipes, and the command in its own session: when rank 0 dies, the rank 1 it launched
+    # waits for it (holding any pipe open), so the call returns when rank 0 exits and then ends the whole group.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([str(PEFTPLUG), *args], cwd=REPO, stdout=out, stderr=err, text=True, env=env,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=300)  # a run takes ~20 s
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    assert code == 0, f"peftplug {' '.join(args)} failed ({code}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    return stdout + stderr
 
 
 def _checkpoint(root: Path, name: str) -> Path:
