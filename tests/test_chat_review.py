@@ -180,27 +180,15 @@ def test_generate_stops_at_the_end_of_turn_token_where_eos_is_another(smollm2_to
 def test_generate_prompts_a_plain_trained_checkpoint_as_it_was_trained(tmp_path):
     """A fit on prompt/response rows with CausalLMData (plain text, no chat template) records that in its checkpoint,
     and `peftplug generate` then encodes prompts as training did, not through the tokenizer's chat template."""
-    import json
-
-    import yaml
+    from tiny_recipes import causal_recipe
 
     from peftplug.cli import cli
     from peftplug.generate_cli import Generator
 
     rows = [{"prompt": f"What is {i} plus {i}?", "response": f" {2 * i}"} for i in range(8)]
-    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    recipe = {
-        "seed_everything": 0,
-        "trainer": {"max_steps": 1, "accelerator": "cpu", "devices": 1, "logger": False, "limit_val_batches": 0,
-                    "default_root_dir": str(tmp_path / "runs"), "enable_progress_bar": False,
-                    "enable_model_summary": False, "num_sanity_val_steps": 0},
-        "model": {"model": "tiny:llama", "peft": {"peft_type": "LORA", "r": 2, "target_modules": ["q_proj"]}},
-        "data": {"class_path": "peftplug.data.CausalLMData",
-                 "init_args": {"train_file": str(tmp_path / "train.jsonl"), "prompt_column": "prompt",
-                               "response_column": "response", "batch_size": 2, "val_fraction": 0.25}},
-    }
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    cli(["fit", "--config", str(tmp_path / "recipe.yaml")])
+    recipe = causal_recipe(tmp_path, rows, peft={"peft_type": "LORA", "r": 2, "target_modules": ["q_proj"]},
+                           trainer={"max_steps": 1, "limit_val_batches": 0}, data={"val_fraction": 0.25})
+    cli(["fit", "--config", str(recipe)])
     (ckpt,) = (tmp_path / "runs").rglob("*.ckpt")
     generator = Generator(str(ckpt))
     prompt = "What is 3 plus 3?"

@@ -4,12 +4,11 @@ the previous export in place, complete."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import lightning  # noqa: F401  (imported before capsys swaps stderr: Lightning's log handler binds to it)
 import pytest
-import yaml
+from tiny_recipes import causal_recipe
 
 from peftplug.checkpoints import load_checkpoint_module
 from peftplug.cli import main
@@ -19,18 +18,9 @@ from peftplug.cli import main
 def module(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("export_atomic")
     rows = [{"prompt": f"Q{i}", "response": f" {i}"} for i in range(8)]
-    (tmp / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    recipe = {
-        "trainer": {"max_steps": 1, "accelerator": "cpu", "devices": 1, "logger": False,
-                    "default_root_dir": str(tmp / "runs"), "enable_progress_bar": False,
-                    "num_sanity_val_steps": 0, "limit_val_batches": 0, "enable_model_summary": False},
-        "model": {"model": "tiny:llama", "peft": {"peft_type": "LORA", "r": 2, "target_modules": ["q_proj"]}},
-        "data": {"class_path": "peftplug.data.CausalLMData",
-                 "init_args": {"train_file": str(tmp / "train.jsonl"), "prompt_column": "prompt",
-                               "response_column": "response", "batch_size": 4}},
-    }
-    (tmp / "r.yaml").write_text(yaml.safe_dump(recipe))
-    assert main(["fit", "--config", str(tmp / "r.yaml")]) == 0
+    recipe = causal_recipe(tmp, rows, peft={"peft_type": "LORA", "r": 2, "target_modules": ["q_proj"]},
+                           optimizer=None, trainer={"max_steps": 1, "limit_val_batches": 0}, data={"batch_size": 4})
+    assert main(["fit", "--config", str(recipe)]) == 0
     (ckpt,) = (tmp / "runs").rglob("*.ckpt")
     return load_checkpoint_module(str(ckpt))
 

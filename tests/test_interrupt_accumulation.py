@@ -4,7 +4,6 @@ signal arrives during the first micro-batch of a window, the window finishes, th
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
@@ -12,8 +11,8 @@ from pathlib import Path
 import lightning
 import pytest
 import torch
-import yaml
-from test_resume import _adapter
+from test_resume import assert_same_adapter
+from tiny_recipes import causal_recipe
 
 from peftplug.cli import cli
 
@@ -34,26 +33,10 @@ class SignalAtBatch(lightning.Callback):
 
 
 def _recipe(root: Path) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "train.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS))
-    recipe = {
-        "seed_everything": 0,
-        "trainer": {"max_steps": MAX_STEPS, "accelerator": "cpu", "devices": 1, "logger": False,
-                    "accumulate_grad_batches": ACCUMULATE, "default_root_dir": str(root / "runs"),
-                    "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0,
-                    "limit_val_batches": 0},
-        "model": {"model": "tiny:llama",
-                  "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.01}},
-                  "peft": {"peft_type": "LORA", "r": 4, "target_modules": ["q_proj", "v_proj"],
-                           "init_lora_weights": False}},
-        "data": {"class_path": "peftplug.data.CausalLMData",
-                 "init_args": {"train_file": str(root / "train.jsonl"), "prompt_column": "prompt",
-                               "response_column": "response", "batch_size": 2, "val_fraction": 0.1}},
-    }
-    path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
-
+    return causal_recipe(
+        root, ROWS, peft={"peft_type": "LORA", "r": 4, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": False},
+        trainer={"max_steps": MAX_STEPS, "accumulate_grad_batches": ACCUMULATE, "limit_val_batches": 0},
+        data={"val_fraction": 0.1})
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +64,4 @@ def test_signal_in_the_first_micro_batch_of_a_window_resumes_bit_for_bit(tmp_pat
 
     resumed = cli(["fit", "--config", str(recipe), "--ckpt_path", "last"])
     assert resumed.trainer.global_step == MAX_STEPS
-    want, got = _adapter(full), _adapter(resumed)
-    assert want.keys() == got.keys() and want
-    for name in want:
-        assert torch.equal(want[name], got[name]), name
+    assert_same_adapter(full, resumed)

@@ -4,11 +4,9 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-import yaml
+from tiny_recipes import causal_recipe
 
 from peftplug.adapter_params import PARAM_NAME
 from peftplug.checkpoints import load_checkpoint_module
@@ -22,22 +20,8 @@ PEFT = {
 
 
 def _recipe(root, peft: dict, max_steps: int):
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "train.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS))
-    recipe = {
-        "seed_everything": 0,
-        "trainer": {"max_steps": max_steps, "accelerator": "cpu", "devices": 1, "logger": False,
-                    "default_root_dir": str(root / "runs"), "enable_progress_bar": False,
-                    "enable_model_summary": False, "num_sanity_val_steps": 0, "limit_val_batches": 0},
-        "model": {"model": "tiny:llama", "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.05}},
-                  "peft": peft},
-        "data": {"class_path": "peftplug.data.CausalLMData",
-                 "init_args": {"train_file": str(root / "train.jsonl"), "prompt_column": "prompt",
-                               "response_column": "response", "batch_size": 2, "val_fraction": 0.25}},
-    }
-    path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    return causal_recipe(root, ROWS, peft=peft, optimizer={"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.05}},
+                         trainer={"max_steps": max_steps, "limit_val_batches": 0}, data={"val_fraction": 0.25})
 
 
 def _to_old_layout(path) -> dict[str, torch.Tensor]:

@@ -8,7 +8,6 @@ weights-only checkpoint, `--ckpt_path last` resolution, and checkpoint writes th
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import textwrap
@@ -18,7 +17,7 @@ from pathlib import Path
 import lightning
 import pytest
 import torch
-import yaml
+from tiny_recipes import causal_recipe
 from torch.utils.data import DataLoader
 
 from peftplug.cli import cli, main
@@ -50,30 +49,27 @@ class SignalAtStep(lightning.Callback):
 
 
 def _recipe(root: Path, optimizer: str) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "train.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS))
     opt, scheduler = OPTIMIZERS[optimizer]
-    recipe = {
-        "seed_everything": 0,
-        "trainer": {"max_steps": MAX_STEPS, "accelerator": "cpu", "devices": 1, "logger": False,
-                    "default_root_dir": str(root / "runs"), "enable_progress_bar": False,
-                    "enable_model_summary": False, "num_sanity_val_steps": 0, "val_check_interval": 4,
-                    "limit_val_batches": 1},
-        "model": {"model": "tiny:llama", "optimizer": opt, "lr_scheduler": scheduler,
-                  "peft": {"peft_type": "LORA", "r": 4, "target_modules": ["q_proj", "v_proj"],
-                           "lora_dropout": 0.1, "init_lora_weights": False}},
-        "data": {"class_path": "peftplug.data.CausalLMData",
-                 "init_args": {"train_file": str(root / "train.jsonl"), "prompt_column": "prompt",
-                               "response_column": "response", "batch_size": 2, "val_fraction": 0.1}},
-    }
-    path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    return causal_recipe(
+        root, ROWS, optimizer=opt, lr_scheduler=scheduler,
+        peft={"peft_type": "LORA", "r": 4, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.1,
+              "init_lora_weights": False},
+        trainer={"max_steps": MAX_STEPS, "val_check_interval": 4, "limit_val_batches": 1},
+        data={"val_fraction": 0.1})
 
 
 def _adapter(done) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in done.model.state_dict().items()
             if k in set(done.model.adapter_state_keys())}
+
+
+def assert_same_adapter(full, resumed) -> dict[str, torch.Tensor]:
+    """Asserts the two runs ended with the same adapter tensors, bit for bit; returns the first run's."""
+    want, got = _adapter(full), _adapter(resumed)
+    assert want.keys() == got.keys() and want
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    return want
 
 
 @pytest.fixture(autouse=True)
@@ -136,10 +132,7 @@ def test_interrupted_fit_resumes_to_the_uninterrupted_adapter(tmp_path, optimize
 
     resumed = cli(["fit", "--config", str(recipe), "--ckpt_path", "last"])
     assert resumed.trainer.global_step == MAX_STEPS
-    want, got = _adapter(full), _adapter(resumed)
-    assert want.keys() == got.keys() and want
-    for name in want:
-        assert torch.equal(want[name], got[name]), name
+    want = assert_same_adapter(full, resumed)
     start = _adapter(cut)
     assert any(not torch.equal(start[n], want[n]) for n in want)  # the resumed part did train
 
@@ -157,9 +150,7 @@ def test_a_run_stopped_by_max_steps_mid_epoch_extends_to_the_uninterrupted_adapt
     assert saved["global_step"] == 5 and saved["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"] == 1
     resumed = cli(["fit", "--config", str(recipe), "--ckpt_path", str(path), *no_val])
     assert resumed.trainer.global_step == MAX_STEPS  # crosses into epoch 1 at step 9
-    want, got = _adapter(full), _adapter(resumed)
-    for name in want:
-        assert torch.equal(want[name], got[name]), name
+    assert_same_adapter(full, resumed)
 
 
 def test_without_the_data_position_the_resume_would_differ(tmp_path, _sigint_default):

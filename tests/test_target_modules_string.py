@@ -4,30 +4,17 @@ list form, which works."""
 
 from __future__ import annotations
 
-import json
-
 import lightning  # noqa: F401  (imported before capsys swaps stderr: Lightning's log handler binds to it)
-import yaml
+from tiny_recipes import causal_recipe
 
 from peftplug.cli import main
 
 
 def _recipe(tmp_path):
     rows = [{"prompt": f"Q{i}", "response": f" {i}"} for i in range(8)]
-    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    recipe = {
-        "trainer": {"max_steps": 1, "accelerator": "cpu", "devices": 1, "logger": False,
-                    "default_root_dir": str(tmp_path / "runs"), "enable_progress_bar": False,
-                    "num_sanity_val_steps": 0, "limit_val_batches": 0, "enable_model_summary": False},
-        "model": {"model": "tiny:llama",
-                  "peft": {"class_path": "peft.LoraConfig", "init_args": {"r": 2, "target_modules": ["v_proj"]}}},
-        "data": {"class_path": "peftplug.data.CausalLMData",
-                 "init_args": {"train_file": str(tmp_path / "train.jsonl"), "prompt_column": "prompt",
-                               "response_column": "response", "batch_size": 4}},
-    }
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return str(path)
+    return str(causal_recipe(
+        tmp_path, rows, peft={"class_path": "peft.LoraConfig", "init_args": {"r": 2, "target_modules": ["v_proj"]}},
+        optimizer=None, trainer={"max_steps": 1, "limit_val_batches": 0}, data={"batch_size": 4}))
 
 
 def test_a_single_string_is_explained_and_the_list_form_works(tmp_path, capsys, monkeypatch):
