@@ -32,6 +32,7 @@ from peftplug.loading import (
     load_tokenizer,
     peft_config_to_dict,
 )
+from peftplug.nonfinite_steps import SkipsNonFiniteSteps
 from peftplug.quantized_layout import keep_exact_4bit_layout
 from peftplug.resume import RNG_KEY, restore_rng, rng_state
 from peftplug.schedules import build_lr_scheduler, check_resumed_length
@@ -64,21 +65,22 @@ def model_inputs(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if not k.startswith(GENERATION_PREFIX)}
 
 
-class PeftModule(L.LightningModule):
+class PeftModule(SkipsNonFiniteSteps, L.LightningModule):
     """Finetunes a Hugging Face model with a PEFT adapter.
 
     Batches are dicts the model accepts (``input_ids``, ``attention_mask``, ``labels``, ...), as the data modules
     in :mod:`peftplug.data` produce them. Logged: ``train_loss``, ``val_loss``/``test_loss`` and the task metric
     ``val_acc``/``test_acc`` (classification) or ``val_ppl``/``test_ppl`` (language modelling; with chat data
     from :mod:`peftplug.chat_data` also ``val_acc``/``test_acc``, the accuracy of greedy answers), plus
-    ``nonfinite_steps``, the number of steps skipped because the loss was NaN/inf.
+    ``nonfinite_steps``, the number of steps skipped because the loss was NaN/inf (no update and no LR scheduler
+    step for them, see :mod:`peftplug.nonfinite_steps`).
 
     Zeroth-order optimizers: if the optimizer has ``is_zeroth_order = True``, training uses manual optimization.
     Each step puts the model in eval mode (dropout off) and calls ``optimizer.step(closure)`` through Lightning,
     where ``closure()`` returns the first-order objective (batch loss plus the adapter's ``auxiliary_loss()``, e.g.
     PCT's) as an fp32 scalar computed without gradients (averaged across ranks under DDP — the only communication);
     the optimizer returns the loss it wants logged (``train_loss``: that objective), and must leave the parameters
-    unchanged when a closure value is not finite. The LR scheduler is then stepped once per step.
+    unchanged when a closure value is not finite. The LR scheduler is then stepped once per finite step.
 
     Args:
         model: Model name or path (local directory, ``tiny:<family>``, packaged model such as
@@ -169,7 +171,6 @@ class PeftModule(L.LightningModule):
         rank_zero_info(f"peftplug: trainable parameters {trainable:,} of {total:,} ({100 * trainable / total:.3f}%)")
 
         self.nonfinite_steps = 0
-        self._skip_update = False
         self._adapter_only_load = False
         self._sums: dict[str, torch.Tensor] = {}
 
@@ -301,13 +302,6 @@ class PeftModule(L.LightningModule):
         return self.tokenizer.batch_decode(generated, skip_special_tokens=True)
 
     # ---------------------------------------------------------------- training
-    def _all_finite(self, loss: torch.Tensor) -> bool:
-        """Whether the loss is finite on every rank (one scalar all-reduce under DDP, so ranks agree)."""
-        bad = (~torch.isfinite(loss.detach())).float()
-        if self.trainer.world_size > 1:
-            bad = self.trainer.strategy.reduce(bad, reduce_op="sum")
-        return bad.item() == 0
-
     def on_train_start(self) -> None:
         """On a resume: restores the checkpoint's RNG states (:meth:`on_load_checkpoint`), checks its LR schedule."""
         states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
@@ -328,8 +322,7 @@ class PeftModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
         """One training step: first-order (returns the loss) or zeroth-order (manual optimization).
 
-        A non-finite loss is not trained on: the step's gradients are dropped before the optimizer step (so
-        Adam's moments and weight decay do not move either) and ``nonfinite_steps`` counts it.
+        A non-finite loss is not trained on (:class:`~peftplug.nonfinite_steps.SkipsNonFiniteSteps`).
 
         Args:
             batch: Model inputs with ``labels``.
@@ -341,9 +334,7 @@ class PeftModule(L.LightningModule):
         output = self(**batch)
         loss = output.loss
         if not self._all_finite(loss):
-            self.nonfinite_steps += 1
-            self._skip_update = True
-            self.log("nonfinite_steps", float(self.nonfinite_steps), prog_bar=True)
+            self._count_nonfinite(first_order=True)
             # A zero loss that touches every trainable parameter keeps DDP's gradient reduction in step;
             # on_before_optimizer_step then drops the (zero) gradients so that no update happens.
             return sum((p * 0.0).sum() for p in self.model.parameters() if p.requires_grad)
@@ -381,18 +372,6 @@ class PeftModule(L.LightningModule):
         aux = self._auxiliary_loss(log)
         return loss if aux is None else loss + aux
 
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Drops the gradients of a step whose loss was not finite, so the optimizer skips every parameter.
-
-        Args:
-            optimizer: The optimizer about to step.
-        """
-        if self._skip_update:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None
-            self._skip_update = False
-
     def _zeroth_order_step(self, batch: dict) -> torch.Tensor | None:
         # Dropout must be off: both perturbed forward passes have to see the same function.
         self.model.eval()
@@ -408,12 +387,10 @@ class PeftModule(L.LightningModule):
         with torch.no_grad():  # the closure logs nothing: log the adapter's metrics once, at θ
             self._auxiliary_loss(log=True)
         loss = optimizer.step(closure=closure)
-        scheduler = self.lr_schedulers()
-        if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            scheduler.step()
-        if loss is None or not math.isfinite(float(loss)):
-            self.nonfinite_steps += 1
-            self.log("nonfinite_steps", float(self.nonfinite_steps), prog_bar=True)
+        finite = loss is not None and math.isfinite(float(loss))
+        self._step_scheduler(finite)
+        if not finite:
+            self._count_nonfinite(first_order=False)
             return None
         loss = torch.as_tensor(loss, dtype=torch.float32).detach()
         self.log("train_loss", loss, prog_bar=True)

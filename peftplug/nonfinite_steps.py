@@ -1,0 +1,87 @@
+"""Steps whose loss is not finite are skipped whole: no parameter update and no LR schedule step.
+
+A mixin for :class:`peftplug.lightning.PeftModule`. HF's ``Trainer`` (through accelerate) does the same for the
+steps its gradient scaler skips: the optimizer does not step, so the schedule does not advance either — otherwise
+a NaN batch during warmup would eat a warmup step that never trained, and every later step would run at the
+learning rate of one step further on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class SkipsNonFiniteSteps:
+    """Skips the optimizer update and the per-step LR scheduler step of a step whose loss was not finite.
+
+    The host calls :meth:`_count_nonfinite` when it meets such a loss: first-order steps then drop their gradients
+    in ``on_before_optimizer_step`` (so Adam's moments and weight decay do not move either) and hold the
+    ``interval: step`` scheduler in ``lr_scheduler_step``; zeroth-order steps ask :meth:`_step_scheduler` with the
+    outcome of their optimizer step. Epoch-interval schedulers step as usual at the epoch's end.
+    """
+
+    nonfinite_steps: int = 0
+    _skip_update: bool = False
+    _hold_scheduler: bool = False
+
+    def _all_finite(self, loss: torch.Tensor) -> bool:
+        """Whether the loss is finite on every rank (one scalar all-reduce under DDP, so ranks agree).
+
+        Args:
+            loss: This rank's loss.
+        """
+        bad = (~torch.isfinite(loss.detach())).float()
+        if self.trainer.world_size > 1:
+            bad = self.trainer.strategy.reduce(bad, reduce_op="sum")
+        return bad.item() == 0
+
+    def _count_nonfinite(self, first_order: bool) -> None:
+        """Counts and logs a skipped step; a first-order one also drops its update (see the class docstring).
+
+        Args:
+            first_order: Whether gradients of this step are still to reach the optimizer.
+        """
+        self.nonfinite_steps += 1
+        self._skip_update = first_order
+        self.log("nonfinite_steps", float(self.nonfinite_steps), prog_bar=True)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drops the gradients of a step whose loss was not finite, so the optimizer skips every parameter.
+
+        Args:
+            optimizer: The optimizer about to step.
+        """
+        if self._skip_update:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            self._skip_update = False
+            # Lightning steps an ``interval: step`` scheduler right after this optimizer step: hold that one.
+            self._hold_scheduler = self.hparams.lr_scheduler_interval == "step"
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        """Lightning's scheduler step, held once after a skipped update (Lightning asks only at the step's end for
+        ``interval: step`` schedulers, at the epoch's end for ``epoch`` ones).
+
+        Args:
+            scheduler: The scheduler Lightning is about to step.
+            metric: The monitored value for ``ReduceLROnPlateau``, else ``None``.
+        """
+        if self._hold_scheduler:
+            self._hold_scheduler = False
+            return
+        super().lr_scheduler_step(scheduler, metric)
+
+    def _step_scheduler(self, stepped: bool) -> None:
+        """Steps a zeroth-order run's scheduler once for a step whose update happened.
+
+        Args:
+            stepped: Whether the optimizer step's loss was finite (a non-finite one leaves the parameters as
+                they were, so the schedule stays too).
+        """
+        scheduler = self.lr_schedulers()
+        if stepped and scheduler is not None and not isinstance(
+                scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            scheduler.step()
