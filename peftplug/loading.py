@@ -423,8 +423,10 @@ def load_model(
         "prompt_cls": transformers.AutoModelForCausalLM,
     }[task]
     if task == "seq_cls":
-        if num_labels is None or num_labels < 1:
-            raise ConfigError(f"{field_prefix}num_labels must be a positive integer for task seq_cls; got {num_labels!r}")
+        # One label would make transformers train a regression (MSE on float labels), which no data module makes.
+        if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 2:
+            raise ConfigError(f"{field_prefix}num_labels must be an integer >= 2 (classes) for task seq_cls; got "
+                              f"{num_labels!r}")
         kwargs.update(num_labels=num_labels, ignore_mismatched_sizes=True)
     if pad_token_id is not None:
         kwargs["pad_token_id"] = pad_token_id

@@ -89,8 +89,12 @@ def test_bad_dtype_and_settings_for_a_built_model_are_one_line_errors(tmp_path):
 def test_peft_module_loading_errors_name_the_recipe_fields():
     with pytest.raises(ConfigError, match=r"^model\.dtype must be one of float32, bfloat16, float16; got 'bf17'$"):
         PeftModule(model="tiny:llama", dtype="bf17")
-    with pytest.raises(ConfigError, match=r"^model\.num_labels must be a positive integer for task seq_cls"):
+    with pytest.raises(ConfigError, match=r"^model\.num_labels must be an integer >= 2 \(classes\) for task seq_cls"):
         PeftModule(model="tiny:bert", task="seq_cls")
+    # One label is a regression head for transformers (MSE on float labels), which no data module produces.
+    for bad in (1, True, 2.0):
+        with pytest.raises(ConfigError, match=rf"^model\.num_labels must be an integer >= 2 .*; got {bad!r}$"):
+            PeftModule(model="tiny:bert", task="seq_cls", num_labels=bad)
 
 
 def fit_nf4_bf16(root: Path) -> Path:
