@@ -240,23 +240,25 @@ class PeftModule(SkipsNonFiniteSteps, L.LightningModule):
         )
         return tokenizer.batch_decode(generated[:, input_ids.shape[1]:], skip_special_tokens=True)
 
-    def _log_epoch_metrics(self, stage: str) -> None:
-        """Logs exact dataset-level loss and metric (sums reduced across ranks, then divided)."""
+    def _log_epoch_metrics(self, stage: str) -> torch.Tensor | None:
+        """Logs exact dataset-level loss and metric (sums reduced across ranks, then divided); returns the loss
+        (``None`` when the stage saw no rows)."""
         sums = {k: self.trainer.strategy.reduce(v, reduce_op="sum") for k, v in self._sums.items()
                 if k.startswith(stage + "_")}
         self._sums = {k: v for k, v in self._sums.items() if not k.startswith(stage + "_")}
         count = sums.get(f"{stage}_count")
         if count is None or count.item() == 0:
-            return
+            return None
         loss = sums[f"{stage}_loss_sum"] / count
         self.log(f"{stage}_loss", loss, prog_bar=True)
         if self.task in CLASSIFICATION_TASKS:
             self.log(f"{stage}_acc", sums[f"{stage}_correct"] / count, prog_bar=True)
-            return
+            return loss
         self.log(f"{stage}_ppl", torch.exp(loss.clamp(max=80.0)), prog_bar=True)
         generated = sums.get(f"{stage}_gen_count")
         if generated is not None and generated.item() > 0:
             self.log(f"{stage}_acc", sums[f"{stage}_gen_correct"] / generated, prog_bar=True)
+        return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Accumulates loss and metric sums of a validation batch.
@@ -268,8 +270,15 @@ class PeftModule(SkipsNonFiniteSteps, L.LightningModule):
         self._evaluation_step(batch, "val")
 
     def on_validation_epoch_end(self) -> None:
-        """Logs ``val_loss`` and ``val_acc``/``val_ppl``."""
-        self._log_epoch_metrics("val")
+        """Logs ``val_loss`` and ``val_acc``/``val_ppl``; steps a zeroth-order run's ``ReduceLROnPlateau``."""
+        loss = self._log_epoch_metrics("val")
+        # Lightning steps no scheduler under manual optimization, and the zeroth-order step leaves the plateau
+        # scheduler alone (it needs the metric): it steps here, once per validation during fit, on val_loss.
+        if self.automatic_optimization or loss is None or self.trainer.sanity_checking or self.trainer.state.fn != "fit":
+            return
+        scheduler = self.lr_schedulers()
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            scheduler.step(float(loss))
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         """Accumulates loss and metric sums of a test batch.
@@ -471,8 +480,8 @@ class PeftModule(SkipsNonFiniteSteps, L.LightningModule):
         scheduler = build_lr_scheduler(self.lr_scheduler_factory, optimizer, self._trainer,
                                        self.hparams.lr_scheduler_interval, not self.automatic_optimization)
         config = {"scheduler": scheduler, "interval": self.hparams.lr_scheduler_interval}
-        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            config["monitor"] = "val_loss"
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and self.automatic_optimization:
+            config["monitor"] = "val_loss"  # zeroth-order runs step it themselves (on_validation_epoch_end)
         return {"optimizer": optimizer, "lr_scheduler": config}
 
     # ---------------------------------------------------------------- adapter-only checkpoints

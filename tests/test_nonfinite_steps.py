@@ -101,3 +101,25 @@ def test_a_nonfinite_zeroth_order_step_does_not_advance_the_schedule(tmp_path, d
                                  optimizer=lambda p: ZOSGD(p, lr=BASE_LR, eps=1e-3, seed=0))
     assert module.nonfinite_steps == 1 and module.optimizers().optimizer.skipped_nonfinite == 1
     assert lrs == rates(0, 0, 1) and scheduler.last_epoch == 2
+
+
+def test_a_zeroth_order_run_steps_reduce_on_plateau_once_per_validation(tmp_path, data):
+    # Lightning steps no scheduler under manual optimization; the module steps a plateau scheduler on val_loss.
+    # threshold=inf in "max" mode: no validation counts as an improvement, whatever the loss (-inf + inf is nan).
+    def plateau(optimizer):
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=0,
+                                                          threshold=float("inf"), threshold_mode="abs")
+
+    data.val_fraction = 0.25
+    module = PoisonedCalls("tiny:llama", peft=LoraConfig(r=4, target_modules=["q_proj"]),
+                           optimizer=lambda p: ZOSGD(p, lr=BASE_LR, eps=1e-3, seed=0), lr_scheduler=plateau)
+    record = RecordLR()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        max_epochs=4, num_sanity_val_steps=1, callbacks=[record])
+    trainer.fit(module, datamodule=data)
+    # 3 batches an epoch; the validation after each epoch halves the rate; the sanity check does not count.
+    assert record.lrs == pytest.approx([BASE_LR / 2 ** (i // 3) for i in range(12)])
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(BASE_LR / 16)
+    trainer.validate(module, datamodule=data)  # outside fit: leaves the schedule alone
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(BASE_LR / 16)
