@@ -109,8 +109,10 @@ class FZOO(ZerothOrderOptimizer):
         Returns:
             The unperturbed loss ``l0`` (0-dim fp32 tensor; nan when a loss was not finite).
         """
-        if closure is None:
-            raise ValueError("zeroth-order optimizers need a closure that returns the batch loss")
+        return self._run_step(self._probe_step, closure)
+
+    def _probe_step(self, closure: Callable[[], Any]) -> torch.Tensor:
+        """The body of :meth:`step`: l0, the N probes, then the update or a skip."""
         generator_state = self._seed_gen.get_state()
         seeds = self._draw_seeds(self.n_probes)
         # Every closure call happens whatever the losses are: under DDP each one is a collective.

@@ -6,7 +6,8 @@ closure, which a zeroth-order optimizer cannot use. :class:`ZeroOrderTrainer` ru
 the closure evaluating ``compute_loss`` under ``no_grad`` — and hands the ``Trainer`` a stand-in optimizer that
 shares the real one's param groups (so the LR scheduler drives the real learning rate) and whose closure-less
 ``step()`` does nothing. Everything else is the ``Trainer``'s: data loading, the LR scheduler (stepped once per
-step, after the zeroth-order step, as in ``peftplug.lightning``), logging (the step's loss plus the optimizer's
+step, after the zeroth-order step, and held after a step skipped for a non-finite loss, as in
+``peftplug.lightning``), logging (the step's loss plus the optimizer's
 ``counters()``), checkpoints (the optimizer's own ``state_dict``) and evaluation.
 
 This is the only module of ``helene`` that imports transformers; ``import helene`` does not import it::
@@ -160,8 +161,13 @@ class ZeroOrderTrainer(Trainer):
                 loss = self.accelerator.reduce(loss, reduction="mean")
             return loss
 
-        loss = self.zo_optimizer.step(closure)
-        return torch.as_tensor(loss, dtype=torch.float32).detach().to(self.args.device)
+        loss = torch.as_tensor(self.zo_optimizer.step(closure), dtype=torch.float32).detach()
+        # A step skipped for a non-finite loss leaves θ and the optimizer's state as they were; the LR schedule
+        # stays too, as peftplug.lightning holds it and as the Trainer holds it after a step the loss scaler
+        # skipped: the flag the Trainer reads for that (accelerator.optimizer_step_was_skipped) is this one.
+        if hasattr(self.optimizer, "_is_overflow"):
+            self.optimizer._is_overflow = not bool(torch.isfinite(loss))
+        return loss.to(self.args.device)
 
     def _get_grad_norm(self, model, grad_norm=None):
         # There are no gradients: without this the Trainer would log a gradient norm of 0.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import numbers
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -172,7 +173,7 @@ class ZerothOrderOptimizer(Optimizer):
         check_real("eps", eps, low_open=True)
         if isinstance(seed, float) and seed.is_integer():
             seed = int(seed)  # 3.0 (YAML, arithmetic) was accepted before seeds were validated
-        check_int("seed", seed, low=-(2**63))
+        check_int("seed", seed, low=-(2**63), high=2**64 - 1)  # the range torch.Generator.manual_seed takes
         if master_weights not in _MASTER_CHOICES:
             raise ValueError(f"master_weights must be one of {_MASTER_CHOICES}, got {master_weights!r}")
         if perturbation not in PERTURBATIONS:
@@ -189,6 +190,8 @@ class ZerothOrderOptimizer(Optimizer):
         self._seed_gen = torch.Generator(device="cpu")
         self._seed_gen.manual_seed(self.seed)
         self._z_gens: dict[torch.device, torch.Generator] = {}
+        #: id(param) -> the parameter's version counter after this optimizer last wrote it (see _sync_masters).
+        self._master_versions: dict[int, int] = {}
         #: Steps attempted, steps whose update was applied, and skipped steps.
         self.step_count = 0
         self.update_count = 0
@@ -261,6 +264,55 @@ class ZerothOrderOptimizer(Optimizer):
                 # fp32 for fp16/bf16/fp32 parameters, fp64 for fp64 ones: a master must never lower precision.
                 dtype = torch.promote_types(p.dtype, torch.float32)
                 self.state[p]["master"] = p.detach().to(dtype, copy=True)
+
+    def _sync_masters(self) -> None:
+        """Re-bases each master copy on its parameter if something else wrote the parameter since the last step.
+
+        A step starts from the master, not from the parameter: weights loaded into the model after the optimizer
+        was built (an adapter, a checkpoint without optimizer state), or written by any other code, would
+        otherwise be silently replaced by the stale master on the next step. The parameter's version counter,
+        recorded after each step, flags a write; the values are then compared, and a parameter still equal to its
+        master's rounding keeps the more precise master (so that a resume stays bit-exact). Also moves a master
+        to its parameter's device (``model.to(device)`` after building the optimizer), makes the masters a
+        parameter that became trainable or half-precision needs, and refuses, as at construction, a half-precision
+        parameter that ``master_weights=False`` would perturb in place.
+        """
+        for group in self.param_groups:
+            self._check_dtypes(group)
+            self._init_masters(group)
+        for _, p in self._trainable():
+            st = self.state[p]
+            master = st.get("master")
+            if master is None or self._master_versions.get(id(p)) == p._version:
+                continue
+            if is_dtensor(p):  # this rank's shard only: a comparison of whole DTensors would communicate
+                local, master_local = p.to_local(), master.to_local()
+            else:
+                if master.device != p.device:
+                    master = st["master"] = master.to(p.device)
+                local, master_local = p, master
+            if not torch.equal(master_local.to(local.dtype), local):
+                master_local.copy_(local)
+
+    def _note_master_versions(self) -> None:
+        """Records the version counter of every master-backed parameter after this optimizer's writes."""
+        self._master_versions = {id(p): p._version for _, p in self._trainable() if "master" in self.state[p]}
+
+    def _run_step(self, body: Callable[[Callable[[], Any]], torch.Tensor],
+                  closure: Callable[[], Any] | None) -> torch.Tensor:
+        """Runs one step's ``body(closure)`` between :meth:`_sync_masters` and :meth:`_note_master_versions`.
+
+        Args:
+            body: The step proper.
+            closure: The loss closure (``None`` is refused).
+        """
+        if closure is None:
+            raise ValueError("zeroth-order optimizers need a closure that returns the batch loss")
+        self._sync_masters()
+        try:
+            return body(closure)
+        finally:
+            self._note_master_versions()
 
     def counters(self) -> dict[str, float]:
         """Numbers worth logging: steps, applied updates, skipped non-finite steps, closure calls (forward passes),
@@ -397,6 +449,10 @@ class ZerothOrderOptimizer(Optimizer):
             if loss.numel() != 1:
                 raise ValueError(f"the closure must return a scalar loss, got shape {tuple(loss.shape)}")
             return float(loss.detach().to(torch.float32).item())
+        if not isinstance(loss, numbers.Real):
+            # e.g. ``lambda: model(**batch)`` (a ModelOutput) or a closure that forgot to return
+            raise TypeError(f"the closure must return the batch loss (a one-element tensor or a real number), got "
+                            f"{type(loss).__name__}; e.g. return model(**batch).loss")
         return float(loss)
 
     @torch.no_grad()
@@ -409,8 +465,10 @@ class ZerothOrderOptimizer(Optimizer):
         Returns:
             The step's loss ``(L+ + L−)/2`` (0-dim fp32 tensor; non-finite when the step was skipped).
         """
-        if closure is None:
-            raise ValueError("zeroth-order optimizers need a closure that returns the batch loss")
+        return self._run_step(self._two_point_step, closure)
+
+    def _two_point_step(self, closure: Callable[[], Any]) -> torch.Tensor:
+        """The body of :meth:`step`: L+ and L− (and L0 when asked), then the update or a skip."""
         generator_state = self._seed_gen.get_state()
         seed = self._draw_seed()
         offsets = [0.0] * self._n_trainable()
@@ -487,6 +545,7 @@ class ZerothOrderOptimizer(Optimizer):
         self.seed = int(zo["seed"])
         # A CPU generator takes a CPU state; a trainer may have moved the whole dict to the accelerator.
         self._seed_gen.set_state(zo["generator_state"].to("cpu"))
+        self._master_versions = {}  # masters replaced: the next step compares them with the parameters
         # torch casts loaded state to each parameter's dtype; fp32 masters and moments of fp16/bf16 parameters
         # must keep their saved fp32 values bit for bit, so they are put back from the saved dict.
         params = [p for g in self.param_groups for p in g["params"]]
