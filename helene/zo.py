@@ -366,7 +366,10 @@ class ZerothOrderOptimizer(Optimizer):
             if gen is None:
                 gen = self._z_gens[p.device] = torch.Generator(device=p.device)
             if p.device not in seeded:
-                gen.manual_seed(seed)
+                # The first device draws from the step seed itself; each further one (a model split over GPUs)
+                # from a seed of its own: the same seed would give same-shape tensors on two devices the same z,
+                # and correlated directions bias the estimate.
+                gen.manual_seed(seed if not seeded else shard_seed(seed, -len(seeded), None))
                 seeded.add(p.device)
             return sample(p.shape, gen, p.device)
 

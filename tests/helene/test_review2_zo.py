@@ -127,3 +127,15 @@ def test_a_seed_outside_the_generator_range_names_the_field(seed):
     with pytest.raises(ValueError, match=r"seed must be an int in \[-9223372036854775808, 18446744073709551615\]"):
         ZOSGD(_mlp().parameters(), seed=seed)
     ZOSGD(_mlp().parameters(), seed=2**64 - 1).step(_closure(_mlp(), *_data()))  # the largest is accepted
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (a model split over GPUs)")
+def test_same_shape_tensors_on_two_devices_get_independent_directions():
+    a = torch.nn.Parameter(torch.zeros(64, 64, device="cuda:0"))
+    b = torch.nn.Parameter(torch.zeros(64, 64, device="cuda:1"))
+    opt = ZOSGD([a, b], lr=1.0, eps=1.0, seed=0)
+    draw = opt._z_stream(123)
+    za, zb = draw(a), draw(b)
+    assert not torch.equal(za.cpu(), zb.cpu())
+    # The first device keeps the step seed's stream, as on one device.
+    assert torch.equal(za, torch.randn(64, 64, generator=torch.Generator("cuda:0").manual_seed(123), device="cuda:0"))
