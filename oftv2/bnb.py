@@ -41,6 +41,7 @@ from peftplug_kernels.nf4_rotate_matmul.fit import HALF_DTYPES, w4a16_unfit
 from .config import OFTv2Config
 from .dispatch import FUSE_ALWAYS, KernelPlan, choose_impl
 from .layer import Linear
+from .merge_order import merged_weight
 
 
 def _bnb():
@@ -258,13 +259,15 @@ class _QuantizedOFTv2(Linear):
     def full_precision_weight(self, adapter_names: list[str] | None = None) -> torch.Tensor:
         """The fp32 base weight with the given adapters (default: active ones) folded in, never requantized.
 
+        Adapters merged into the quantized weight already stay in it; the others are folded in forward order
+        relative to them (:func:`oftv2.merge_order.merged_weight`).
+
         Args:
-            adapter_names: Adapters to fold in, in forward order.
+            adapter_names: Adapters to fold in.
         """
-        names = [a for a in (self.active_adapters if adapter_names is None else adapter_names) if a in self.oftv2_Q]
-        weight = self._get_base_weight()
-        for name in reversed(names):  # R₁ is applied first in forward, so its transpose ends up rightmost
-            weight = self._apply_rotation_to_weight(weight, name, inverse=False)
+        names = [a for a in (self.active_adapters if adapter_names is None else adapter_names)
+                 if a in self.oftv2_Q and a not in self.merged_adapters]
+        weight, _ = merged_weight(self, self._get_base_weight(), self.merged_adapters, names)
         return weight
 
 

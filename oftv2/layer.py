@@ -33,6 +33,7 @@ from peftplug_kernels.cayley_rotate.stacked import rotate_by
 
 from .config import OFTv2Config
 from .dispatch import KernelPlan, plan_kernels
+from .merge_order import merged_weight
 from .rotation_cache import cache_usable, cached_rotation
 from .rotation_cache import clear as clear_rotation_cache
 
@@ -458,27 +459,15 @@ class OFTv2Layer(BaseTunerLayer):
         Args:
             safe_merge: Compute on a copy and raise ``ValueError`` before writing if it is not finite.
             adapter_names: Adapters to merge (default: the active ones); folded in forward (``active_adapters``)
-                order whatever order they are listed in.
+                order whatever order they are listed in, also relative to adapters merged by an earlier call.
         """
         adapter_names = [a for a in check_adapters_to_merge(self, adapter_names) if a in self.oftv2_Q]
         if not adapter_names:
             return
-        # Rotations do not commute: fold in the order the forward applies them (active adapters first, in
-        # active_adapters order), whatever order the caller listed them in.
-        active = list(self.active_adapters)
-        adapter_names.sort(key=lambda a: active.index(a) if a in active else len(active))
-        weight = self._get_base_weight()
-        # The forward applies R₁ first. On the input side its transpose must end up rightmost (fold from the last
-        # adapter: W Rₙᵀ … R₁ᵀ); on the output side R₁ is folded first (W R₁ … Rₙ).
-        order = list(adapter_names) if self.rotates_output else list(reversed(adapter_names))
-        for name in order:
-            weight = self._apply_rotation_to_weight(weight, name, inverse=False)
-            if safe_merge and not torch.isfinite(weight).all():
-                raise ValueError(
-                    f"NaNs or infs in the merged weight: the OFTv2 adapter {name!r} seems to be broken"
-                )
+        # Rotations do not commute: folded in forward order, together with any merged before (oftv2.merge_order).
+        weight, order = merged_weight(self, self._get_base_weight(), self.merged_adapters, adapter_names, safe_merge)
         self._set_base_weight(weight)
-        self.merged_adapters.extend(order)
+        self.merged_adapters[:] = order
 
     def unmerge(self) -> None:
         """Restores the base weight by undoing the merged rotations (exact inverse, last merged first)."""

@@ -212,8 +212,9 @@ def lora_from_oftv2(
 
     Raises:
         ValueError: For a bad ``rank``, an adapter that is not OFTv2 or carries biases / modules_to_save /
-            trainable tokens, a merged layer, or a Conv2d with groups, dilation or a padding mode other than
-            zeros (which PEFT's LoRA Conv2d cannot apply unmerged).
+            trainable tokens, a layer with this adapter merged into its weight (or any adapter, without
+            ``base_weight``), or a Conv2d with groups, dilation or a padding mode other than zeros (which PEFT's
+            LoRA Conv2d cannot apply unmerged).
     """
     from peft import LoraConfig
 
@@ -226,8 +227,12 @@ def lora_from_oftv2(
     from transformers.pytorch_utils import Conv1D
 
     for path, layer in layers:  # every refusal before any SVD
-        if adapter_name in layer.merged_adapters:
-            raise ValueError(f"layer {path!r} has adapter {adapter_name!r} merged into its weight; unmerge it first")
+        if adapter_name in layer.merged_adapters or (base_weight is None and layer.merged_adapters):
+            # Another merged adapter counts too when ΔW is taken against the layer's own (then rotated) weight.
+            raise ValueError(
+                f"layer {path!r} has adapter(s) {layer.merged_adapters} merged into its weight; unmerge first "
+                "(unmerge_adapter)"
+            )
         _check_conv_representable(path, layer)
     tensors, ranks, full_ranks, dropped = {}, {}, {}, {}
     for path, layer in layers:

@@ -56,6 +56,27 @@ def lora_applied(peft_model: nn.Module, export: LoraExport, adapter_name: str = 
                     layer.get_base_layer().weight.data.copy_(original)
 
 
+@contextlib.contextmanager
+def only_adapter(peft_model: nn.Module, adapter_name: str) -> Iterator[None]:
+    """Within the block the model computes ``adapter_name`` alone, whatever adapters are active.
+
+    Sets the active adapter of every tuner layer and ``modules_to_save`` / trainable-token wrapper directly, so
+    that no ``requires_grad`` flag changes (``set_adapter`` would make the adapter trainable); restored on exit.
+
+    Args:
+        peft_model: A ``PeftModel`` (or a model with adapter layers injected).
+        adapter_name: The adapter to compute.
+    """
+    saved = [(m, m._active_adapter) for m in peft_model.modules() if hasattr(m, "_active_adapter")]
+    try:
+        for module, _ in saved:
+            module._active_adapter = [adapter_name]
+        yield
+    finally:
+        for module, active in saved:
+            module._active_adapter = active
+
+
 def _logits(model: nn.Module, batch: dict) -> torch.Tensor:
     with torch.no_grad():
         return model(**batch).logits.double()
@@ -95,7 +116,9 @@ def measure_lora_export(
     # every batch's fp64 logits and differences took 13-16 GiB for 100 SmolLM2 prompts).
     stats = [{"max": 0.0, "sum": 0.0, "agree": 0, "count": 0} for _ in exports]
     for batch in batches:
-        ref = _logits(peft_model, batch)
+        # The adapter the export came from, alone: not whichever adapters happen to be active.
+        with only_adapter(peft_model, adapter_name):
+            ref = _logits(peft_model, batch)
         mask = batch.get("attention_mask")
         keep = mask.bool() if mask is not None else torch.ones(ref.shape[:-1], dtype=torch.bool)
         for export, stat in zip(exports, stats):

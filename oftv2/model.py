@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
@@ -198,6 +199,22 @@ class OFTv2Model(UpgradesLegacyKeys, BaseTuner):
             "are torch.nn.Linear, transformers' Conv1D, torch.nn.Conv2d, torch.nn.Embedding and (with oftv2.bnb) "
             "bitsandbytes Linear4bit/Linear8bitLt"
         )
+
+    @contextmanager
+    def _enable_peft_forward_hooks(self, *args, **kwargs):
+        """Refuses ``adapter_names=`` (one adapter per sample, LoRA's mixed-batch inference): PEFT drops that
+        argument from the forward of a tuner without this method, so every sample silently got the active adapter.
+
+        Args:
+            *args: The forward's / ``generate``'s positional arguments (unused).
+            **kwargs: Its keyword arguments; only ``adapter_names`` is read.
+        """
+        if kwargs.get("adapter_names") is not None:
+            raise ValueError(
+                "OFTv2 does not support mixed-batch inference (`adapter_names=` in forward/generate): activate one "
+                "adapter with set_adapter() and run each group of samples separately"
+            )
+        yield
 
     def _check_merge_allowed(self):
         super()._check_merge_allowed()
