@@ -62,6 +62,24 @@ def _single_thread():
     torch.set_num_threads(previous)
 
 
+#: What Lightning's strategies export into the process environment and leave there after an in-process run.
+_DISTRIBUTED_ENV = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                    "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_rank_environment():
+    """Puts the distributed variables back as they were: a test that runs a Lightning strategy in-process left
+    ``LOCAL_RANK``/``NODE_RANK`` behind, and a later ``peftplug fit`` subprocess then waited for peers."""
+    saved = {name: os.environ.get(name) for name in _DISTRIBUTED_ENV}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     """Offline character-level tokenizer (pad id 0)."""
