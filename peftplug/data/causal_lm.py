@@ -103,7 +103,7 @@ class CausalLMData(TokenizedDataModule):
             raise ConfigError(f"CausalLMData serves causal_lm or seq2seq models, not {task!r}")
         instruction = self.prompt_column is not None
         columns = [self.prompt_column, self.response_column] if instruction else [self.text_column]
-        raw = read_splits(self.files, columns, self.val_fraction, self.seed)
+        raw = read_splits(self.files, columns, self.val_fraction, self.seed, text_columns=columns)
         for split, cols in raw.items():
             prompts, encoded = [], []
             for index, row in enumerate(zip(*(cols[c] for c in columns))):

@@ -155,7 +155,7 @@ class ChatData(TokenizedDataModule):
     def load_pairs(self) -> dict[str, tuple[list, list]]:
         """The raw ``{split: (prompts, responses)}``; where each row came from is kept for error messages."""
         columns = [self.prompt_column, self.response_column]
-        raw = read_chat_splits(self.files, columns, self.val_fraction, self.seed)
+        raw = read_chat_splits(self.files, columns, self.val_fraction, self.seed, text_columns=columns)
         self._row_sources = {split: {ROW_SOURCE: cols[ROW_SOURCE]} for split, cols in raw.items()}
         return {split: (cols[columns[0]], cols[columns[1]]) for split, cols in raw.items()}
 
@@ -164,7 +164,8 @@ class ChatData(TokenizedDataModule):
         ``(prompt, response)`` tuples; where each row came from is kept for error messages."""
         if self.row_format == PAIRS:
             return {split: list(zip(*pair)) for split, pair in self.load_pairs().items()}
-        raw = read_chat_splits(self.files, [self.row_format], self.val_fraction, self.seed)
+        raw = read_chat_splits(self.files, [self.row_format], self.val_fraction, self.seed,
+                               text_columns=[self.row_format])
         self._row_sources = {split: {ROW_SOURCE: cols[ROW_SOURCE]} for split, cols in raw.items()}
         return {split: cols[self.row_format] for split, cols in raw.items()}
 

@@ -75,7 +75,8 @@ def file_columns(path: str) -> list[str] | None:
         if suffix in (".json", ".jsonl"):
             return _json_keys(p)
         if suffix in (".csv", ".tsv"):
-            with open(p, encoding="utf-8", newline="") as f:
+            # utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark, which would hide the first column's name.
+            with open(p, encoding="utf-8-sig", newline="") as f:
                 return next(csv.reader(f, delimiter="\t" if suffix == ".tsv" else ","), None)
         if suffix == ".parquet":
             import pyarrow.parquet
@@ -118,12 +119,14 @@ def _load_folder(path: Path):
     return loaded
 
 
-def read_chat_table(path: str, columns: Sequence[str]) -> dict[str, list]:
+def read_chat_table(path: str, columns: Sequence[str], text_columns: Sequence[str] = ()) -> dict[str, list]:
     """The named columns of a data file (:func:`peftplug.data.files.read_table`) or of a saved ``datasets`` folder.
 
     Args:
         path: File or folder.
         columns: Columns that must exist.
+        text_columns: Columns of a CSV/TSV file read as text exactly as written (see
+            :func:`peftplug.data.files.read_table`).
 
     Raises:
         MissingFileError: If the path does not exist.
@@ -135,7 +138,7 @@ def read_chat_table(path: str, columns: Sequence[str]) -> dict[str, list]:
         if values is not None:
             return {columns[0]: values}
     if not p.is_dir():
-        return read_table(path, columns)
+        return read_table(path, columns, text_columns)
     table = _load_folder(p)
     missing = [c for c in columns if c not in table.column_names]
     if missing:
@@ -145,7 +148,7 @@ def read_chat_table(path: str, columns: Sequence[str]) -> dict[str, list]:
 
 
 def read_chat_splits(files: dict[str, str | None], columns: Sequence[str], val_fraction: float,
-                     seed: int) -> dict[str, dict[str, list]]:
+                     seed: int, text_columns: Sequence[str] = ()) -> dict[str, dict[str, list]]:
     """:func:`peftplug.data.files.read_splits` for files and saved folders alike: each configured split, the
     training data split into train and validation when there is no validation file, every row's source kept under
     :data:`~peftplug.data.files.ROW_SOURCE`.
@@ -155,6 +158,7 @@ def read_chat_splits(files: dict[str, str | None], columns: Sequence[str], val_f
         columns: Columns every file must have.
         val_fraction: Fraction of the training data held out when there is no validation file.
         seed: Seed of that split.
+        text_columns: Columns of CSV/TSV files read as text exactly as written.
     """
     if files["train"] is None:
         raise ConfigError("data.train_file is required")
@@ -164,7 +168,7 @@ def read_chat_splits(files: dict[str, str | None], columns: Sequence[str], val_f
             continue
         if not Path(path).expanduser().exists():
             raise MissingFileError(f"data file {str(Path(path).expanduser())!r} does not exist")
-        raw[split] = read_chat_table(path, columns)
+        raw[split] = read_chat_table(path, columns, text_columns)
         raw[split][ROW_SOURCE] = [(path, i + 1) for i in range(len(raw[split][columns[0]]))]
     if "validation" not in raw:
         full = raw["train"]

@@ -14,6 +14,24 @@ from peftplug.data.files import ROW_SOURCE, check_val_fraction, read_splits, row
 from peftplug.errors import ConfigError, DataError
 
 
+def _class_id(value: object) -> int | None:
+    """An integer label as a class id, or ``None`` if it is not a non-negative integer. Digit text counts: a CSV
+    column that pandas read as text (one of its cells is a word) still holds the ids ``"0"``, ``"1"``, ...; and
+    ``int()`` cannot refuse ``nan`` (Parquet) or ``"pos"`` with a traceback here.
+
+    Args:
+        value: The label as read.
+    """
+    if isinstance(value, str):
+        text = value.strip()
+        return int(text) if text.isascii() and text.isdigit() else None
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if number == value and number >= 0 else None
+
+
 class TextClassificationData(TokenizedDataModule):
     """Text (or text-pair) classification from local files.
 
@@ -64,7 +82,8 @@ class TextClassificationData(TokenizedDataModule):
         columns = [self.text_column] + ([self.text_pair_column] if self.text_pair_column else [])
         columns.append(self.label_column)
         raw = {}
-        for split, table in read_splits(self.files, columns, self.val_fraction, self.seed).items():
+        texts = columns[:-1]  # the label column keeps its inferred type: integer labels are class ids
+        for split, table in read_splits(self.files, columns, self.val_fraction, self.seed, texts).items():
             raw[split] = {"text": table[self.text_column], "label": table[self.label_column],
                           ROW_SOURCE: table[ROW_SOURCE]}
             if self.text_pair_column:
@@ -72,7 +91,18 @@ class TextClassificationData(TokenizedDataModule):
         return raw
 
     def _map_labels(self, raw: dict[str, dict[str, list]]) -> None:
-        """Turns string labels into ids (sorted training labels) in place; checks integer labels."""
+        """Turns string labels into ids (sorted training labels) in place; checks integer labels.
+
+        Raises:
+            DataError: For a missing or blank label (a JSON ``null``, an empty CSV cell: it would otherwise become a
+                class of its own, ``"None"`` or ``""``), a label outside the training labels, or, with integer
+                labels, one that is not a non-negative integer; the message names the file and row.
+        """
+        for split, cols in raw.items():
+            empty = next((i for i, v in enumerate(cols["label"])
+                          if v is None or (isinstance(v, str) and not v.strip())), None)
+            if empty is not None:
+                raise DataError(f"{row_name(split, cols, empty)}: the label is empty")
         train_labels = raw["train"]["label"]
         if any(isinstance(v, str) for v in train_labels):
             self.label_names = sorted({str(v) for v in train_labels})
@@ -86,11 +116,12 @@ class TextClassificationData(TokenizedDataModule):
                 cols["label"] = [index[str(v)] for v in cols["label"]]
         else:
             for split, cols in raw.items():
-                bad = next((i for i, v in enumerate(cols["label"]) if v is None or int(v) != v or v < 0), None)
+                ids = [_class_id(v) for v in cols["label"]]
+                bad = next((i for i, v in enumerate(ids) if v is None), None)
                 if bad is not None:
                     raise DataError(f"{row_name(split, cols, bad)}: label {cols['label'][bad]!r}; labels must be "
-                                    "non-negative integers or strings")
-                cols["label"] = [int(v) for v in cols["label"]]
+                                    "non-negative integers or strings, and the training labels are integers")
+                cols["label"] = ids
 
     @staticmethod
     def _texts(split: str, cols: dict[str, list], column: str) -> list[str]:
@@ -140,6 +171,12 @@ class TextClassificationData(TokenizedDataModule):
             ]
             if not self.splits[split]:
                 raise DataError(f"the {split} split is empty")
+            # An empty text gives no token at all with a tokenizer that adds none (GPT-2, SmolLM2, Llama 3 without
+            # BOS): a batch of such rows has width 0 and the model fails with a reshape traceback, and in a mixed
+            # batch the row is classified from padding.
+            hollow = next((i for i, e in enumerate(self.splits[split]) if not e["input_ids"]), None)
+            if hollow is not None:
+                raise DataError(f"{row_name(split, cols, hollow)}: the text is empty (it gives no tokens)")
         model = getattr(self._module(), "model", None)
         have = getattr(getattr(model, "config", None), "num_labels", None)
         if have is not None and getattr(self._module(), "task", None) == "seq_cls" and self.num_labels > have:

@@ -30,12 +30,15 @@ def _blank(path: Path, chunk: int = 1 << 16) -> bool:
     return True
 
 
-def read_table(path: str, columns: Sequence[str]) -> dict[str, list]:
+def read_table(path: str, columns: Sequence[str], text_columns: Sequence[str] = ()) -> dict[str, list]:
     """Reads the named columns of a local JSON/JSONL/CSV/TSV/Parquet file with ``datasets``.
 
     Args:
         path: File path; the format follows the extension.
         columns: Columns that must exist.
+        text_columns: Columns whose CSV/TSV cells are text exactly as written. Otherwise pandas infers a type per
+            column, and a column of numbers comes back changed (``007`` -> ``7.0``, ``2`` -> ``2.0``, ``1e3`` ->
+            ``1000.0`` once any cell of it is empty or fractional).
 
     Returns:
         A dict from column name to list of values.
@@ -63,6 +66,9 @@ def read_table(path: str, columns: Sequence[str]) -> dict[str, list]:
         # pandas would read the cells NA, N/A, None, null, nan ... as missing, and such a row would be refused as
         # empty; only a cell with nothing in it is missing here.
         kwargs["keep_default_na"] = False
+        if text_columns:
+            # A converter hands pandas' raw cell text through (names absent from the file are ignored).
+            kwargs["converters"] = {c: str for c in text_columns}
     datasets.disable_progress_bars()
     verbosity = datasets.logging.get_verbosity()
     # The builders log their parse failure before raising; the DataError below says it once, with the line.
@@ -87,6 +93,8 @@ def _innermost_message(err: BaseException) -> str:
     """The message of the deepest cause of a reader error (``datasets`` wraps the parser's own error)."""
     while err.__cause__ is not None or err.__context__ is not None:
         err = err.__cause__ or err.__context__
+    if "corresponds to no data" in str(err):  # datasets' words for a file that holds no row (an empty Parquet)
+        return "the file holds no rows"
     return f"cannot be read as a table ({one_line(f'{type(err).__name__}: {err}', 300)})"
 
 
@@ -99,6 +107,8 @@ def _first_bad_record(path: Path) -> str | None:
         path: The file that failed to load.
     """
     suffix = path.suffix.lower()
+    if suffix == ".parquet":  # binary: decoding it as text would report "not UTF-8 text" for any failure
+        return _empty_parquet(path)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
@@ -111,13 +121,27 @@ def _first_bad_record(path: Path) -> str | None:
     return None
 
 
+def _empty_parquet(path: Path) -> str | None:
+    """``"the file holds no rows"`` for a Parquet file of no rows (``datasets`` fails on it with an Arrow batch-size
+    error), else ``None``."""
+    import pyarrow
+    import pyarrow.parquet
+
+    try:
+        rows = pyarrow.parquet.ParquetFile(path).metadata.num_rows
+    except (pyarrow.ArrowException, OSError):
+        return None  # not readable as Parquet: the reader's own message says why
+    return "the file holds no rows" if rows == 0 else None
+
+
 def _first_bad_json_line(text: str, lines: bool) -> str | None:
     """The first line of JSON Lines text that is not a JSON object; for a ``.json`` file that is not JSON Lines,
     the position where the document stops parsing."""
     if not lines:
         try:
-            json.loads(text)
-            return None  # valid JSON: the failure is about its shape, which the reader's message tells
+            document = json.loads(text)
+            # Valid JSON: the failure is about its shape, which the reader's message tells, unless it holds nothing.
+            return "the file holds no records" if document in ([], {}) else None
         except json.JSONDecodeError as err:
             whole = f"line {err.lineno}, column {err.colno}: not valid JSON ({err.msg})"
         first = next((line for line in text.splitlines() if line.strip()), "")
@@ -138,18 +162,21 @@ def _first_bad_json_line(text: str, lines: bool) -> str | None:
 def _first_bad_csv_row(text: str, delimiter: str) -> str | None:
     """The first row with more fields than the header, or where quoting breaks (``csv`` in strict mode)."""
     reader = csv.reader(io.StringIO(text), delimiter=delimiter, strict=True)
-    start, header = 1, None  # a quoted field may span lines: a row is named by the line it starts on
+    start, header, rows = 1, None, 0  # a quoted field may span lines: a row is named by the line it starts on
     try:
         for row in reader:
-            if header is None:
+            if not header:  # the first non-blank line is the header
                 header = row
             elif len(row) > len(header):
                 return f"line {start}: {len(row)} fields, the header has {len(header)} ({', '.join(header)})"
             start = reader.line_num + 1
+            rows += header is not row and any(cell.strip() for cell in row)
     except csv.Error as err:
         hint = " (an unclosed quote?)" if "end of data" in str(err) else ""
         return f"the row starting at line {start}: {err}{hint}"
-    return None if header is not None else "the file is empty (expected a header row)"
+    if not header:
+        return "the file is empty (expected a header row)"
+    return None if rows else f"the file has a header row ({', '.join(header)}) but no data rows"
 
 
 def _split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -231,7 +258,7 @@ def no_room(taken_by: str, tokens: int, left_for: str, max_length: int) -> DataE
 
 
 def read_splits(files: dict[str, str | None], columns: Sequence[str], val_fraction: float,
-                seed: int) -> dict[str, dict[str, list]]:
+                seed: int, text_columns: Sequence[str] = ()) -> dict[str, dict[str, list]]:
     """Reads the configured split files; without a validation file, holds out ``val_fraction`` of train.
 
     Args:
@@ -239,6 +266,7 @@ def read_splits(files: dict[str, str | None], columns: Sequence[str], val_fracti
         columns: Columns every file must have (the first one sizes the held-out split).
         val_fraction: Fraction of the training file held out when there is no validation file.
         seed: Seed of that split.
+        text_columns: Columns read as text exactly as written (see :func:`read_table`).
 
     Returns:
         ``{split: {column: values}}`` for every split present; each split also has :data:`ROW_SOURCE`, the file
@@ -250,7 +278,7 @@ def read_splits(files: dict[str, str | None], columns: Sequence[str], val_fracti
     raw = {}
     for split, path in files.items():
         if path is not None:
-            raw[split] = read_table(path, columns)
+            raw[split] = read_table(path, columns, text_columns)
             raw[split][ROW_SOURCE] = [(path, i + 1) for i in range(len(raw[split][columns[0]]))]
     if "validation" not in raw:
         full = raw["train"]

@@ -54,7 +54,8 @@ def _read_jsonl(path: Path, task: PromptTask) -> list[dict[str, str]]:
     import json
 
     rows = []
-    with path.open(encoding="utf-8") as handle:
+    # utf-8-sig, as the .tsv/.csv files are read: a byte-order mark would make line 1 "not JSON".
+    with path.open(encoding="utf-8-sig") as handle:
         for line, text in enumerate(handle, start=1):
             if not text.strip():
                 continue
