@@ -116,6 +116,14 @@ class PCTPromptEncoder(BasePromptEncoder):
                 "tokenizer's own chat template, or set tokenizer.chat_template instead)"
             )
         self.config = config
+        width = getattr(getattr(word_embeddings, "weight", None), "shape", (None, None))[-1]
+        if width is not None and config.token_dim is not None and width != config.token_dim:
+            # The prompt is concatenated with the input embeddings: a saved adapter of another model would only fail
+            # at the first forward, inside torch.cat.
+            raise ValueError(
+                f"PCTConfig.token_dim={config.token_dim} (the width of this PCT prompt) does not match the model's "
+                f"input embeddings (width {width}): a PCT adapter works only on the base model its prompts come from"
+            )
         repeats = config.num_transformer_submodules or 1
         self.embedding = PCTFusion(
             config.num_virtual_tokens, config.token_dim, config.num_sources, repeats=repeats,

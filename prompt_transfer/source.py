@@ -38,10 +38,17 @@ def set_prompt(model, prompt: torch.Tensor, adapter_name: str | None = None) -> 
         prompt: ``[l, d]``; repeated for each transformer submodule.
         adapter_name: Adapter (default: the active one).
     """
-    weight = model.prompt_encoder[adapter_name or model.active_adapter].embedding.weight
-    length = prompt.shape[0]
-    if weight.shape[0] % length or weight.shape[1] != prompt.shape[1]:
-        raise ValueError(f"prompt of shape {tuple(prompt.shape)} does not fit the adapter's {tuple(weight.shape)}")
+    name = adapter_name or model.active_adapter
+    weight = model.prompt_encoder[name].embedding.weight
+    length = model.peft_config[name].num_virtual_tokens
+    # Exactly [l, d]: a prompt of l/2 tokens also divides the stacked [l * submodules, d] weight, and tiling it would
+    # silently give another prompt than the source's.
+    if prompt.dim() != 2 or tuple(prompt.shape) != (length, weight.shape[1]):
+        raise ValueError(
+            f"prompt of shape {tuple(prompt.shape)} does not fit adapter {name!r}: it needs [num_virtual_tokens, "
+            f"token_dim] = [{length}, {weight.shape[1]}] (source and target prompts must have the same length and "
+            "come from the same base model)"
+        )
     with torch.no_grad():
         weight.copy_(prompt.to(weight).repeat(weight.shape[0] // length, 1))
 
@@ -159,6 +166,9 @@ def spot_select(target_prompt: torch.Tensor, source_prompts: Mapping[str, torch.
     for name, p in source_prompts.items():
         if p.shape[-1] != target_prompt.shape[-1]:
             raise ValueError(f"source prompt {name!r} has width {p.shape[-1]}, target {target_prompt.shape[-1]}")
+        if mode == "flat" and p.shape != target_prompt.shape:  # flattened prompts compare entry by entry
+            raise ValueError(f"mode='flat' compares prompts of one shape: source prompt {name!r} is "
+                             f"{tuple(p.shape)}, the target {tuple(target_prompt.shape)} (use mode='mean_token')")
         sims[name] = float(torch.nn.functional.cosine_similarity(t, embed(p), dim=0))
     return max(sims, key=sims.get), sims
 

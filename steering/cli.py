@@ -162,7 +162,12 @@ def _load_adapters(model, specs: Sequence[str]):
     peft_model, names = None, []
     for i, spec in enumerate(specs):
         path, mult = _adapter_spec(spec)
-        check_adapter_dir(path)  # a missing adapter_config.json or truncated weights: one line naming the file
+        folder = check_adapter_dir(path)  # a missing adapter_config.json or truncated weights: one line naming it
+        # Another PEFT type would load (or fail) deep inside PEFT, and a LoRA one would even generate unsteered
+        # under `steering generate`: every command here needs steering adapters, so say so in one line.
+        peft_type = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))["peft_type"]
+        if peft_type != "STEERING":
+            raise ConfigError(f"--adapter {path}: holds a {peft_type} adapter, not a steering adapter (STEERING)")
         name = f"steer{i}"
         try:
             if peft_model is None:
@@ -322,6 +327,9 @@ def _cmd_evaluate(args) -> int:
         peft_model, tokenizer, prompts, scorer, reference_prompts=reference, questions=questions, answers=answers,
         steered_questions=steered_questions, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         do_sample=args.temperature > 0, seed=args.seed, temperature=args.temperature or 1.0,
+        # Raw prompts are encoded as `generate` (and EasyEdit2) encode them: with the tokenizer's BOS; a chat
+        # template writes its own special tokens.
+        add_special_tokens=args.raw_prompts,
     )
     result["requests"] = requests
     summary = {k: round(v, 4) for k, v in result.items() if isinstance(v, float)}

@@ -105,13 +105,15 @@ def _stop_ids(tokenizer) -> set[int]:
 def generate(
     model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 40, batch_size: int = 20,
     do_sample: bool = False, seed: int = 0, temperature: float = 1.0, top_p: float = 1.0,
+    add_special_tokens: bool = False,
 ) -> Generations:
     """Generates from each prompt (left-padded batches, KV cache), greedy or seeded sampling.
 
     Args:
         model: A causal LM or a ``PeftModel`` with steering adapters (as it is: active adapters steer).
         tokenizer: Its tokenizer (its padding side is set to left for the call and restored).
-        prompts: Prompt texts (already chat-formatted; encoded without extra special tokens).
+        prompts: Prompt texts (chat-formatted, encoded without extra special tokens, unless
+            ``add_special_tokens``).
         max_new_tokens: Tokens to generate per prompt (fewer when the model ends its answer).
         batch_size: Prompts per ``generate`` call.
         do_sample: Sample instead of greedy decoding.
@@ -119,6 +121,8 @@ def generate(
             depend on what ran before it.
         temperature: Sampling temperature.
         top_p: Nucleus sampling mass.
+        add_special_tokens: Encode the prompts with the tokenizer's special tokens (e.g. BOS): for raw prompts
+            without a chat template, as EasyEdit2 encodes them (``add_special_tokens=not use_chat_template``).
     """
     if not prompts:
         raise ValueError("prompts is empty")
@@ -141,7 +145,7 @@ def generate(
     try:
         for b, lo in enumerate(range(0, len(prompts), batch_size)):
             chunk = list(prompts[lo:lo + batch_size])
-            batch = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+            batch = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens)
             if do_sample:
                 torch.manual_seed(seed + b)
             start = time.perf_counter()
@@ -272,6 +276,7 @@ def answer_is_right(answer: str, accepted: Sequence[str]) -> bool:
 def instruction_kept(
     model, tokenizer, prompts: Sequence[str], answers: Sequence[Sequence[str]], baseline: Sequence[bool] | None = None,
     steered_prompts: Sequence[str] | None = None, max_new_tokens: int = 24, batch_size: int = 20,
+    add_special_tokens: bool = False,
 ) -> dict:
     """Instruction following under steering: of the questions answered right *unsteered*, the share still right.
 
@@ -285,6 +290,7 @@ def instruction_kept(
             its instruction).
         max_new_tokens: Answer length.
         batch_size: Prompts per generate call.
+        add_special_tokens: Encode the prompts with the tokenizer's special tokens (raw, non-chat prompts).
 
     Returns:
         ``{"kept", "base_correct", "base_accuracy", "steered_accuracy", "baseline", "answers"}``.
@@ -293,9 +299,11 @@ def instruction_kept(
         raise ValueError(f"{len(prompts)} questions but {len(answers)} answer lists")
     if baseline is None:
         with unsteered(model):
-            base = generate(model, tokenizer, prompts, max_new_tokens, batch_size)
+            base = generate(model, tokenizer, prompts, max_new_tokens, batch_size,
+                            add_special_tokens=add_special_tokens)
         baseline = [answer_is_right(t, a) for t, a in zip(base.texts, answers)]
-    steered = generate(model, tokenizer, steered_prompts or prompts, max_new_tokens, batch_size)
+    steered = generate(model, tokenizer, steered_prompts or prompts, max_new_tokens, batch_size,
+                       add_special_tokens=add_special_tokens)
     right = [answer_is_right(t, a) for t, a in zip(steered.texts, answers)]
     n_base = sum(baseline)
     kept = sum(r for r, b in zip(right, baseline) if b)
@@ -324,6 +332,7 @@ def evaluate_steering(
     answers: Sequence[Sequence[str]] | None = None, question_baseline: Sequence[bool] | None = None,
     steered_questions: Sequence[str] | None = None, max_new_tokens: int = 40, batch_size: int = 20,
     do_sample: bool = False, seed: int = 0, temperature: float = 1.0, top_p: float = 1.0,
+    add_special_tokens: bool = False,
 ) -> dict:
     """Generates with ``model`` as it is (steered) and scores the generations with EasyEdit2's metrics.
 
@@ -345,16 +354,19 @@ def evaluate_steering(
         seed: Sampling seed.
         temperature: Sampling temperature.
         top_p: Nucleus mass.
+        add_special_tokens: Encode every prompt with the tokenizer's special tokens (raw, non-chat prompts: a BOS
+            the model expects; chat templates write their own).
 
     Returns:
         A JSON-ready dict: the metrics, ``tokens_per_second`` and the ``generations``.
     """
-    gens = generate(model, tokenizer, prompts, max_new_tokens, batch_size, do_sample, seed, temperature, top_p)
+    gens = generate(model, tokenizer, prompts, max_new_tokens, batch_size, do_sample, seed, temperature, top_p,
+                    add_special_tokens)
     ref_ids = gens.prompt_ids
     if reference_prompts is not None:
         if len(reference_prompts) != len(prompts):
             raise ValueError(f"{len(reference_prompts)} reference prompts for {len(prompts)} prompts")
-        ref_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in reference_prompts]
+        ref_ids = [tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"] for p in reference_prompts]
     result = {"n_prompts": len(prompts), "max_new_tokens": max_new_tokens, "do_sample": do_sample, "seed": seed}
     result.update(perplexity_summary(generation_nll(model, tokenizer, ref_ids, gens.new_ids, batch_size)))
     result["fluency"] = sum(ngram_entropy(t) for t in gens.texts) / len(gens.texts)
@@ -371,7 +383,7 @@ def evaluate_steering(
         if answers is None:
             raise ValueError("questions need answers (accepted answers per question)")
         check = instruction_kept(model, tokenizer, questions, answers, question_baseline, steered_questions,
-                                 batch_size=batch_size)
+                                 batch_size=batch_size, add_special_tokens=add_special_tokens)
         result["instruction_kept"] = check["kept"]
         result["instruction_accuracy"] = check["steered_accuracy"]
         result["instruction_base_accuracy"] = check["base_accuracy"]

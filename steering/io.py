@@ -211,7 +211,7 @@ def _method_folder(folder: Path) -> Path:
             f"{folder}: an EasyEdit2 LM-Steer checkpoint (lm_steer_vector.pt, a pickled list that adapts the output "
             "embedding) is not a residual-stream steering vector and cannot be imported; expected layer_{L}.pt files"
         )
-    if any(_LAYER_FILE.match(p.name) for p in folder.iterdir()):
+    if any(_LAYER_FILE.match(p.name) and p.is_file() for p in folder.iterdir()):
         return folder
     subs = [p for p in sorted(folder.iterdir()) if _is_method_folder(p)]
     if len(subs) == 1:
@@ -279,7 +279,7 @@ def import_easyedit(
     out = {}
     for path in sorted(folder.iterdir()):
         match = _LAYER_FILE.match(path.name)
-        if not match:
+        if not match or not path.is_file():  # a folder named like a layer file is not one (torch.load would fail)
             continue
         layer = int(match.group(1))
         if layer in out:

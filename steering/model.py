@@ -120,6 +120,22 @@ class SteeringModel(UpgradesLegacyKeys, BaseTuner):
         owner = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
         self.steer_context.install(owner)
 
+    def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
+        """PEFT's ``inject_adapter``, then the position bookkeeping is (re-)installed.
+
+        PEFT calls ``_post_injection_hook`` only when the tuner is built, not on ``add_adapter``/``load_adapter``.
+        After ``delete_adapter`` removed the last adapter (and with it the pre-hook), an adapter added later would
+        otherwise steer without it: every token, whatever its ``positions`` policy.
+
+        Args:
+            model: The model being tuned.
+            adapter_name: The adapter to inject.
+            *args: Passed to PEFT.
+            **kwargs: Passed to PEFT.
+        """
+        super().inject_adapter(model, adapter_name, *args, **kwargs)
+        self._post_injection_hook(model, self.peft_config[adapter_name], adapter_name)
+
     def _check_steering_merge(self, adapter_names: list[str] | None) -> None:
         """Raises ``ValueError`` before any bias changes if some layer cannot merge ``adapter_names`` exactly."""
         names = list(adapter_names) if adapter_names is not None else list(self.active_adapters)
