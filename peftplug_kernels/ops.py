@@ -144,7 +144,9 @@ def _check_rotation(width: int, rotation: torch.Tensor) -> None:
     n_blocks, b = shape[0], shape[1]
     if width % b != 0:
         raise ValueError(f"input width {width} is not a multiple of the block size {b}")
-    if n_blocks not in (1, width // b):
+    # ``!=`` twice, not ``not in (1, width // b)``: dynamo evaluates ``in`` over a tuple holding a symbolic width as
+    # False, which refused every valid input under torch.compile(dynamic=True) (block_rotate/reference.py too).
+    if n_blocks != 1 and n_blocks != width // b:
         raise ValueError(f"{n_blocks} rotation blocks do not fit input width {width} with block size {b}")
 
 
@@ -191,7 +193,8 @@ def cayley_rotate(
     """
     width = x.shape[-1]
     rows = q_vec.shape[0]
-    if width % block_size != 0 or rows not in (1, width // block_size):
+    # (block_size < 1 first: a 0 was a ZeroDivisionError from the modulo. No ``in``: see _check_rotation.)
+    if block_size < 1 or width % block_size != 0 or (rows != 1 and rows != width // block_size):
         raise ValueError(
             f"{rows} blocks of size {block_size} do not fit input width {width} (rows must be 1 or width / block_size)"
         )

@@ -27,7 +27,9 @@ def block_rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     width = x.shape[-1]
     if width % b != 0:
         raise ValueError(f"input width {width} is not a multiple of the block size {b}")
-    if n_blocks not in (1, width // b):
+    # Not ``n_blocks not in (1, width // b)``: dynamo (torch 2.13) evaluates ``in`` over a tuple holding a symbolic
+    # width as False, so that form refused every valid input under torch.compile(dynamic=True).
+    if n_blocks != 1 and n_blocks != width // b:
         raise ValueError(f"{n_blocks} rotation blocks do not fit input width {width} with block size {b}")
     compute = torch.promote_types(x.dtype, torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     xb = x.reshape(*x.shape[:-1], width // b, b).to(compute)

@@ -197,12 +197,15 @@ def _series(q: torch.Tensor, powers: int) -> tuple[torch.Tensor, tuple[torch.Ten
 
 
 def _series_grad(
-    g: torch.Tensor, q: torch.Tensor, powers: int, saved: tuple[torch.Tensor, ...], alpha: float = 1.0
+    g: torch.Tensor, q: torch.Tensor, powers: int, saved: tuple[torch.Tensor, ...], alpha: float
 ) -> torch.Tensor:
     """dL/dQ from dL/dS for :func:`_series`, using ``Qᵀ = -Q`` (the caller projects it onto the triangle).
 
     ``alpha`` scales ``g`` first (``R = I + 2S`` gives ``dL/dS = 2 dL/dR``); for the default series it rides on the
-    first two products (no extra call)."""
+    first two products (no extra call). ``alpha`` has no default, nor has :func:`rotation_grad`'s: under
+    ``torch.compile(dynamic=True)`` dynamo turns a float default into a symbolic input, and with two layers in one
+    graph the second backward then failed to trace ("lift_tracked_freevar_to_input should not be called on root
+    SubgraphTracer"); a literal at the call site stays a constant."""
     if powers != 4 and alpha != 1.0:
         g = g * alpha
     if powers == 1:
@@ -285,7 +288,7 @@ def _rotate(x: torch.Tensor, r: torch.Tensor, n_blocks: int, out_dtype: torch.dt
     return _cast(out, out_dtype)
 
 
-def rotation_grad(x: torch.Tensor, g: torch.Tensor, r: torch.Tensor, n_blocks: int, alpha: float = 1.0) -> torch.Tensor:
+def rotation_grad(x: torch.Tensor, g: torch.Tensor, r: torch.Tensor, n_blocks: int, alpha: float) -> torch.Tensor:
     """``alpha · dL/dR`` of ``x R`` block-wise: ``alpha Σ_tokens x_blkᵀ g_blk`` in one call, ``[n, b, b]`` (``[1, b, b]``
     summed over the width for a shared block ``r``).
 
@@ -294,7 +297,7 @@ def rotation_grad(x: torch.Tensor, g: torch.Tensor, r: torch.Tensor, n_blocks: i
         g: Gradient of the output, same shape and dtype.
         r: The rotation blocks (only their shape, dtype and device are read: ``beta=0``).
         n_blocks: Blocks across the width.
-        alpha: Scale folded into the product.
+        alpha: Scale folded into the product (required: see :func:`_series_grad`).
     """
     block = r.shape[-1]
     if r.shape[0] == 1:
@@ -351,6 +354,6 @@ class CayleyRotateFunction(torch.autograd.Function):
                 grad_s = grad_s * keep
                 if q.shape[0] == 1:  # a shared block dropped per position: its gradient sums over positions
                     grad_s = grad_s.sum(0, keepdim=True)
-            grad_q = _series_grad(grad_s, q, ctx.powers, saved)
+            grad_q = _series_grad(grad_s, q, ctx.powers, saved, alpha=1.0)  # (alpha=2 rode on grad_s)
             grad_q_vec = _cast(triangle_grad(grad_q, block), ctx.q_dtype)
         return grad_x, grad_q_vec, None, None, None

@@ -149,7 +149,7 @@ class RotateByFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _rotate(g, r.transpose(-1, -2), ctx.n_blocks, x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_r = rotation_grad(_cast(x, r.dtype), g, r, ctx.n_blocks)
+            grad_r = rotation_grad(_cast(x, r.dtype), g, r, ctx.n_blocks, alpha=1.0)
         return grad_x, grad_r
 
 
@@ -171,7 +171,8 @@ def rotate_by(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """
     rows, block = r.shape[0], r.shape[-1]
     width = x.shape[-1]
-    if r.dim() != 3 or width % block or rows not in (1, width // block):
+    # No ``rows not in (1, width // block)``: dynamo evaluates ``in`` with a symbolic width as False (ops.py).
+    if r.dim() != 3 or width % block or (rows != 1 and rows != width // block):
         raise ValueError(f"rotation {tuple(r.shape)} does not tile input width {width}")
     # Under autocast the plain products would run in its dtype: the Function keeps the blocks' (_function_guards.py).
     if x.dtype != r.dtype or torch.is_autocast_enabled(x.device.type):
