@@ -19,9 +19,14 @@ from lightning.pytorch.utilities import rank_zero_info
 from peft import PeftConfig
 
 from peftplug.adapter_params import PARAM_NAME
-from peftplug.answers import answer_matches
 from peftplug.compiling import ModelCompiler
 from peftplug.errors import ConfigError
+from peftplug.eval_metrics import (  # noqa: F401 -- GENERATION_PREFIX, model_inputs: scripts import them from here
+    CLASSIFICATION_TASKS,
+    GENERATION_PREFIX,
+    EvaluationSums,
+    model_inputs,
+)
 from peftplug.loading import (
     QUANTIZATIONS,
     TASKS,
@@ -51,21 +56,9 @@ from peftplug.trainer_checks import check_zeroth_order_trainer
 
 CHECKPOINT_KEY = "peftplug"
 CHECKPOINT_FORMAT = "adapter-only/1"
-# Tasks whose metric is accuracy over class scores: a classification head, or label words (peftplug.prompt_cls).
-CLASSIFICATION_TASKS = ("seq_cls", "prompt_cls")
-GENERATION_PREFIX = "gen_"
 
 
-def model_inputs(batch: dict) -> dict:
-    """The batch without the generation-evaluation entries (``gen_*``) that data modules may add.
-
-    Args:
-        batch: A batch dict.
-    """
-    return {k: v for k, v in batch.items() if not k.startswith(GENERATION_PREFIX)}
-
-
-class PeftModule(SkipsNonFiniteSteps, L.LightningModule):
+class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
     """Finetunes a Hugging Face model with a PEFT adapter.
 
     Batches are dicts the model accepts (``input_ids``, ``attention_mask``, ``labels``, ...), as the data modules
@@ -190,34 +183,6 @@ class PeftModule(SkipsNonFiniteSteps, L.LightningModule):
             return prompt_cls_forward(self.model, batch)
         return self.model(**batch)
 
-    def _counted_loss(self, batch: dict, output: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of per-item losses, number of items): items are examples or predicted tokens; label -100 is none
-        (prompt tokens, padding, and the rows that pad an evaluation split to a multiple of the ranks)."""
-        labels = batch["labels"][:, 1:] if self.task == "causal_lm" else batch["labels"]  # causal LMs shift by one
-        count = (labels != -100).sum()
-        # The mean over no items is NaN (and NaN * 0 is NaN): such a batch (all padding) adds 0.
-        return torch.where(count > 0, output.loss.detach().float() * count, 0.0), count
-
-    def _accumulate(self, name: str, value: torch.Tensor) -> None:
-        value = value.detach().float()
-        self._sums[name] = self._sums.get(name, torch.zeros((), device=value.device)) + value
-
-    def _evaluation_step(self, batch: dict, stage: str) -> None:
-        output = self(**model_inputs(batch))
-        loss_sum, count = self._counted_loss(batch, output)
-        self._accumulate(f"{stage}_loss_sum", loss_sum)
-        self._accumulate(f"{stage}_count", count)
-        if self.task in CLASSIFICATION_TASKS:
-            correct = (output.logits.argmax(-1) == batch["labels"]).sum()
-            self._accumulate(f"{stage}_correct", correct)
-        elif "gen_input_ids" in batch and self.tokenizer is not None:
-            # Chat data (peftplug.chat_data) carries left-padded prompts and reference answers: answer accuracy.
-            texts = self.generate_texts(batch["gen_input_ids"], batch["gen_attention_mask"])
-            pairs = [(t, a) for t, a in zip(texts, batch["gen_answers"]) if a is not None]  # None: a padding row
-            correct = sum(answer_matches(t, a) for t, a in pairs)
-            self._accumulate(f"{stage}_gen_correct", torch.tensor(float(correct), device=self.device))
-            self._accumulate(f"{stage}_gen_count", torch.tensor(float(len(pairs)), device=self.device))
-
     def generate_texts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        max_new_tokens: int | None = None, temperature: float = 0.0) -> list[str]:
         """Continuations of left-padded prompts (greedy, or sampled above temperature 0), decoded without special
@@ -239,26 +204,6 @@ class PeftModule(SkipsNonFiniteSteps, L.LightningModule):
             pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids(tokenizer),
         )
         return tokenizer.batch_decode(generated[:, input_ids.shape[1]:], skip_special_tokens=True)
-
-    def _log_epoch_metrics(self, stage: str) -> torch.Tensor | None:
-        """Logs exact dataset-level loss and metric (sums reduced across ranks, then divided); returns the loss
-        (``None`` when the stage saw no rows)."""
-        sums = {k: self.trainer.strategy.reduce(v, reduce_op="sum") for k, v in self._sums.items()
-                if k.startswith(stage + "_")}
-        self._sums = {k: v for k, v in self._sums.items() if not k.startswith(stage + "_")}
-        count = sums.get(f"{stage}_count")
-        if count is None or count.item() == 0:
-            return None
-        loss = sums[f"{stage}_loss_sum"] / count
-        self.log(f"{stage}_loss", loss, prog_bar=True)
-        if self.task in CLASSIFICATION_TASKS:
-            self.log(f"{stage}_acc", sums[f"{stage}_correct"] / count, prog_bar=True)
-            return loss
-        self.log(f"{stage}_ppl", torch.exp(loss.clamp(max=80.0)), prog_bar=True)
-        generated = sums.get(f"{stage}_gen_count")
-        if generated is not None and generated.item() > 0:
-            self.log(f"{stage}_acc", sums[f"{stage}_gen_correct"] / generated, prog_bar=True)
-        return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Accumulates loss and metric sums of a validation batch.
@@ -296,6 +241,9 @@ class PeftModule(SkipsNonFiniteSteps, L.LightningModule):
     def predict_step(self, batch: dict, batch_idx: int) -> Any:
         """Predicted class ids (classification) or generated texts (language models).
 
+        Chat batches (:mod:`peftplug.chat_data`) answer their prompts (``gen_input_ids``, the conversation up to the
+        last answer), as validation does, not the whole conversation in ``input_ids``, which holds the answer.
+
         Args:
             batch: Model inputs; ``labels`` are ignored. Causal-LM prompts must be left-padded.
             batch_idx: Index of the batch.
@@ -303,6 +251,8 @@ class PeftModule(SkipsNonFiniteSteps, L.LightningModule):
         inputs = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
         if self.task in CLASSIFICATION_TASKS:
             return self(**inputs).logits.argmax(-1)
+        if "gen_input_ids" in batch and self.task == "causal_lm" and self.tokenizer is not None:
+            return self.generate_texts(batch["gen_input_ids"], batch["gen_attention_mask"])
         generated = self.model.generate(**inputs, max_new_tokens=self.hparams.max_new_tokens, do_sample=False)
         if self.task == "causal_lm":
             generated = generated[:, inputs["input_ids"].shape[1]:]
@@ -314,7 +264,9 @@ class PeftModule(SkipsNonFiniteSteps, L.LightningModule):
     def on_train_start(self) -> None:
         """On a resume: restores the checkpoint's RNG states (:meth:`on_load_checkpoint`), checks its LR schedule."""
         states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
-        if states is not None:
+        # Only a fit that resumes from the checkpoint continues its random stream: a module that was loaded earlier
+        # (load_from_checkpoint, validate/test with ckpt_path) and is now fitted afresh keeps the run's seed.
+        if states is not None and self.trainer.ckpt_path is not None:
             restore_rng(states)
         check_resumed_length(self.lr_schedulers(), self.trainer, self.hparams.lr_scheduler_interval,
                              not self.automatic_optimization)

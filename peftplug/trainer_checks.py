@@ -165,6 +165,8 @@ def check_zeroth_order_trainer(trainer: Any) -> None:
       auto``, scheduler lengths) was sized for one step per window: a OneCycleLR raised mid-run.
     - A gradient scaler (``precision: 16-mixed`` on a GPU): Lightning's plugin runs the closure itself and then
       unscales a loss that was never scaled (an ``AssertionError`` from ``GradScaler.unscale_``).
+    - ``gradient_clip_val``: there are no gradients to clip; Lightning refuses clipping under manual optimization,
+      but checked before the switch, so it was silently ignored.
 
     Args:
         trainer: The Lightning trainer.
@@ -179,3 +181,6 @@ def check_zeroth_order_trainer(trainer: Any) -> None:
     if getattr(getattr(trainer, "precision_plugin", None), "scaler", None) is not None:
         raise ConfigError(f"trainer.precision: a zeroth-order optimizer takes no gradient scaler, got "
                           f"{trainer.precision!r}; use bf16-mixed or 32-true")
+    if getattr(trainer, "gradient_clip_val", None):
+        raise ConfigError(f"trainer.gradient_clip_val: a zeroth-order optimizer has no gradients to clip, got "
+                          f"{trainer.gradient_clip_val}; leave it unset (null or 0)")
