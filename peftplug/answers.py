@@ -2,14 +2,34 @@
 
 The rule (documented in docs/cli.md): take the first word of each text, case-folded, with punctuation stripped
 from both ends; they match if they are equal, or if one is the other plus a plural ``s`` (so ``"Sports."`` answers
-the label ``sport``). An empty generation never matches.
+the label ``sport``). An empty generation never matches. Punctuation is every Unicode punctuation or symbol
+character (``—``, ``。``, ``$`` ...), except a minus sign right before a number: ``-3`` is not ``3``.
 """
 
 from __future__ import annotations
 
-import string
+import unicodedata
 
-_PUNCTUATION = string.punctuation + "“”‘’«»…"
+# Minus signs: kept before a number (its value's sign), stripped elsewhere like any punctuation.
+_MINUS = "-\u2212\u2012\u2013"
+
+
+def _is_punctuation(char: str) -> bool:
+    """Unicode punctuation (P*) or symbol (S*): ASCII's and also dashes, CJK stops, currency signs."""
+    return unicodedata.category(char)[0] in "PS"
+
+
+def _strip_word(word: str) -> str:
+    start, end = 0, len(word)
+    while start < end and _is_punctuation(word[start]):
+        start += 1
+    while end > start and _is_punctuation(word[end - 1]):
+        end -= 1
+    core = word[start:end]
+    # "-3" is an answer of its own, not "3" (a sign is punctuation by category): keep one minus before a digit.
+    if core[:1].isdigit() and start > 0 and word[start - 1] in _MINUS:
+        core = "-" + core
+    return core
 
 
 def normalize_answer(text: str) -> str:
@@ -19,7 +39,7 @@ def normalize_answer(text: str) -> str:
         text: A generated answer or a reference label.
     """
     for word in str(text).split():
-        word = word.strip(_PUNCTUATION).casefold()
+        word = _strip_word(word).casefold()
         if word:
             return word
     return ""

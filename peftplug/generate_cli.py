@@ -66,6 +66,12 @@ class Generator:
             data_hparams = checkpoint.get("datamodule_hyper_parameters") or {}
             # Trained on plain prompt/response rows (CausalLMData): prompt it with plain text too, not the template.
             self.plain = (checkpoint.get(CHECKPOINT_KEY) or {}).get("prompts") == "plain"
+            task = (checkpoint.get("hyper_parameters") or {}).get("task", "causal_lm")
+            if task != "causal_lm":  # said before the base model loads, and with what classifies instead
+                raise ConfigError(
+                    f"checkpoint {str(ckpt_path)!r} is a {task} model: it gives class ids, not text, and generate "
+                    f"and chat need a causal_lm checkpoint; classify with `peftplug predict --config <its recipe> "
+                    f"--ckpt_path {ckpt_path}` (or `peftplug test`, for accuracy on the held-out split)")
             self.module = load_checkpoint_module(ckpt_path)
             if system is None:
                 system = data_hparams.get("system_prompt")
@@ -128,6 +134,9 @@ class Generator:
         from peftplug.data.base import pad_batch
 
         check_sampling(max_new_tokens, temperature)
+        empty = [i for i, p in enumerate(prompts, 1) if not p]
+        if empty:  # generate cannot start from nothing (a tokenizer without BOS turns "" into no tokens)
+            raise ConfigError(f"prompt {empty[0]} gives no tokens: an empty prompt sent as plain text; write some text")
         self.check_positions(max(len(p) for p in prompts), max_new_tokens)
         batch = pad_batch([{"input_ids": p, "attention_mask": [1] * len(p)} for p in prompts],
                           self.tokenizer.pad_token_id, left=True)
@@ -155,7 +164,7 @@ class Generator:
             max_new_tokens: Tokens to generate at most.
 
         Raises:
-            ConfigError: Naming both lengths and the limit.
+            PositionError: Naming both lengths and the limit.
         """
         limit = self.position_limit()
         # Prompt-learning adapters (prompt tuning, PCT, prefix ...) put their virtual tokens before the prompt.
@@ -163,8 +172,12 @@ class Generator:
         virtual = getattr(config, "num_virtual_tokens", 0) if getattr(config, "is_prompt_learning", False) else 0
         if limit is not None and virtual + prompt_tokens + max_new_tokens > limit:
             extra = f" after the adapter's {virtual} virtual tokens" if virtual else ""
-            raise ConfigError(f"the prompt is {prompt_tokens} tokens{extra} and --max_new_tokens {max_new_tokens}, "
+            raise PositionError(f"the prompt is {prompt_tokens} tokens{extra} and --max_new_tokens {max_new_tokens}, "
                               f"but the model has {limit} positions: shorten the prompt or lower --max_new_tokens")
+
+
+class PositionError(ConfigError):
+    """A prompt that, with the tokens to generate, does not fit the model's position table."""
 
 
 # Names of learned absolute position tables in transformers' models.
@@ -200,8 +213,11 @@ def generate_main(argv: Sequence[str]) -> int:
 
 
 def chat_loop(generator: Generator, max_new_tokens: int, temperature: float, stdin: TextIO,
-              stdout: TextIO) -> None:
+              stdout: TextIO, seed: int = 0) -> None:
     """Reads user messages line by line and prints the assistant's answers, keeping the conversation.
+
+    When the conversation outgrows the model's position table, its oldest exchanges are dropped (and the session
+    says how many) until the new message fits; a message too long by itself is refused, and the session goes on.
 
     Args:
         generator: The model to chat with.
@@ -209,6 +225,7 @@ def chat_loop(generator: Generator, max_new_tokens: int, temperature: float, std
         temperature: 0 for greedy decoding.
         stdin: Where messages come from (one per line; ``exit``/``quit`` or end of input stops).
         stdout: Where prompts and answers go.
+        seed: Seed of the sampling (``--seed``), set before every answer.
     """
     history: list[dict[str, Any]] = []
     while True:
@@ -220,15 +237,31 @@ def chat_loop(generator: Generator, max_new_tokens: int, temperature: float, std
             return
         if not line.strip():
             continue
+        earlier = list(history)
         history.append({"role": "user", "content": line.strip()})
-        try:
-            text = generator.answer([generator.encode(history)], max_new_tokens, temperature)[0].strip()
-        except ConfigError as err:
-            # The conversation outgrew the model's positions: say so and keep the session without that message.
-            history.pop()
-            stdout.write(f"peftplug: {err}\n")
+        dropped = 0
+        while True:
+            try:
+                text = generator.answer([generator.encode(history)], max_new_tokens, temperature, seed)[0].strip()
+                break
+            except PositionError as err:
+                if len(history) > 1:  # forget the oldest exchange (a user turn and its answer), not the new message
+                    del history[:2]
+                    dropped += 1
+                    continue
+                failure = str(err)
+            except ConfigError as err:
+                failure = str(err)
+            history = earlier  # keep the session as it was, without the message that could not be answered
+            stdout.write(f"peftplug: {failure}\n")
             stdout.flush()
+            text = None
+            break
+        if text is None:
             continue
+        if dropped:
+            stdout.write(f"peftplug: the conversation outgrew the model's positions; forgot its oldest {dropped} "
+                         f"exchange{'s' if dropped > 1 else ''}\n")
         history.append({"role": "assistant", "content": text})
         stdout.write(f"model> {text}\n")
         stdout.flush()
@@ -244,5 +277,5 @@ def chat_main(argv: Sequence[str]) -> int:
     check_sampling(args.max_new_tokens, args.temperature)  # before the model loads, not at the first message
     generator = Generator(args.ckpt_path, args.model, args.system)
     print("peftplug chat: type a message; 'exit' or Ctrl-D ends.", flush=True)
-    chat_loop(generator, args.max_new_tokens, args.temperature, sys.stdin, sys.stdout)
+    chat_loop(generator, args.max_new_tokens, args.temperature, sys.stdin, sys.stdout, args.seed)
     return 0

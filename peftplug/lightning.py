@@ -38,6 +38,7 @@ from peftplug.loading import (
     peft_config_to_dict,
 )
 from peftplug.nonfinite_steps import SkipsNonFiniteSteps
+from peftplug.prompt_generation import generate_new_tokens
 from peftplug.quantized_layout import keep_exact_4bit_layout
 from peftplug.resume import RNG_KEY, restore_rng, rng_state
 from peftplug.schedules import build_lr_scheduler, check_resumed_length
@@ -198,12 +199,12 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
 
         tokenizer = self.tokenizer
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-        generated = self.model.generate(  # stops at eos and the template's end of turn (Gemma: <end_of_turn>)
-            input_ids=input_ids, attention_mask=attention_mask, **sampling,
+        generated = generate_new_tokens(  # stops at eos and the template's end of turn (Gemma: <end_of_turn>)
+            self.model, input_ids, attention_mask, **sampling,
             max_new_tokens=max_new_tokens or self.hparams.max_new_tokens,
             pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids(tokenizer),
         )
-        return tokenizer.batch_decode(generated[:, input_ids.shape[1]:], skip_special_tokens=True)
+        return tokenizer.batch_decode(generated, skip_special_tokens=True)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Accumulates loss and metric sums of a validation batch.
@@ -251,11 +252,15 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
         inputs = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
         if self.task in CLASSIFICATION_TASKS:
             return self(**inputs).logits.argmax(-1)
-        if "gen_input_ids" in batch and self.task == "causal_lm" and self.tokenizer is not None:
-            return self.generate_texts(batch["gen_input_ids"], batch["gen_attention_mask"])
-        generated = self.model.generate(**inputs, max_new_tokens=self.hparams.max_new_tokens, do_sample=False)
         if self.task == "causal_lm":
-            generated = generated[:, inputs["input_ids"].shape[1]:]
+            ids, mask = ((batch["gen_input_ids"], batch["gen_attention_mask"]) if "gen_input_ids" in batch
+                         else (inputs["input_ids"], inputs.get("attention_mask")))
+            mask = torch.ones_like(ids) if mask is None else mask
+            if self.tokenizer is not None:
+                return self.generate_texts(ids, mask)
+            return generate_new_tokens(self.model, ids, mask, max_new_tokens=self.hparams.max_new_tokens,
+                                       do_sample=False)
+        generated = self.model.generate(**inputs, max_new_tokens=self.hparams.max_new_tokens, do_sample=False)
         if self.tokenizer is None:
             return generated
         return self.tokenizer.batch_decode(generated, skip_special_tokens=True)
