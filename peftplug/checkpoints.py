@@ -23,7 +23,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from peftplug.errors import CheckpointError, MissingFileError, PeftplugError, one_line
+from peftplug.errors import CheckpointError, ConfigError, MissingFileError, PeftplugError, one_line
 from peftplug.fileio import safetensors_problem
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -132,6 +132,42 @@ def read_checkpoint(ckpt_path: str | os.PathLike, map_location: Any = "cpu", mma
             "built from a model object in Python, so the base model cannot be reloaded by name"
         )
     return checkpoint
+
+
+def find_best_checkpoint(root: str | os.PathLike) -> Path:
+    """What ``--ckpt_path best`` resolves to in a new process: the best checkpoint that the run's newest checkpoint
+    records (its first ``ModelCheckpoint``'s ``best_model_path``, as Lightning's own ``"best"`` uses the trainer's
+    first one; with no ``monitor`` that is the newest checkpoint it saved).
+
+    Lightning resolves ``"best"`` from the ``ModelCheckpoint`` of the trainer that has just run ``fit``: in a
+    ``peftplug fit``/``validate``/``test`` of its own that trainer has trained nothing yet, so Lightning's ``"best"``
+    always failed there with a traceback.
+
+    Args:
+        root: The run's ``trainer.default_root_dir``.
+
+    Raises:
+        ConfigError: If the run's newest checkpoint records no best checkpoint, or that file is gone.
+        MissingFileError, CheckpointError: If the run has no checkpoint, or its newest cannot be read.
+    """
+    from peftplug.resume import find_last_checkpoint
+
+    newest = find_last_checkpoint(root)
+    states = read_checkpoint(newest, mmap=True).get("callbacks") or {}
+    recorded = next((state.get("best_model_path") for key, state in states.items()
+                     if str(key).startswith("ModelCheckpoint") and isinstance(state, dict)), None)
+    if not recorded:
+        raise ConfigError(
+            f"ckpt_path: 'best': the run's newest checkpoint {str(newest)!r} records no best checkpoint (no "
+            "ModelCheckpoint had saved one); give the path of a .ckpt file, or add a ModelCheckpoint with a monitor "
+            "(docs/cli.md)"
+        )
+    best = Path(recorded)
+    if not best.is_file() and (newest.parent / best.name).is_file():
+        best = newest.parent / best.name  # the run's folder was moved or copied since: the file is beside it
+    if not best.is_file():
+        raise ConfigError(f"ckpt_path: 'best' is {recorded!r} (recorded in {str(newest)!r}), which no longer exists")
+    return best
 
 
 def describe_checkpoint(checkpoint: dict) -> str:

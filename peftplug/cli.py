@@ -46,8 +46,6 @@ from peftplug.methods import METHOD_PACKAGES, import_method_packages  # noqa: F4
 # registered) before parsing. Re-exported here, their historical home.
 
 DEFAULT_ROOT_DIR = "runs"
-# `--ckpt_path` values Lightning resolves itself (after fit, "best" is the ModelCheckpoint's best); "last" is ours.
-LIGHTNING_CKPT_NAMES = ("best", "hpc", "registry")
 
 # Subcommands besides LightningCLI's, as "module:function" taking the arguments after the subcommand and returning
 # the exit status. Imported only when used, so that a missing one says so in one line and `--help` stays fast.
@@ -150,19 +148,22 @@ def _cli_classes():
             """
             import torch
 
-            from peftplug.checkpoints import read_checkpoint, safe_globals
+            from peftplug.checkpoints import find_best_checkpoint, read_checkpoint, safe_globals
             from peftplug.resume import find_last_checkpoint
 
             torch.serialization.add_safe_globals(safe_globals())
             subcommand = self.config.get("subcommand")
             ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-            if ckpt_path == "last":
-                # Lightning's "last" looks only in the new logger version's (empty) folder: find the run's newest.
+            if ckpt_path in ("last", "best"):
+                # Lightning's "last" looks only in the new logger version's (empty) folder, and its "best" only at
+                # the trainer that has just run fit (none, in a process of its own): find them in the run's files.
                 root = self.config[subcommand].trainer.get("default_root_dir") or DEFAULT_ROOT_DIR
-                ckpt_path = str(find_last_checkpoint(root))
+                find = find_last_checkpoint if ckpt_path == "last" else find_best_checkpoint
+                ckpt_path = str(find(root))
                 self.config[subcommand].ckpt_path = ckpt_path
-                print(f"peftplug: resuming from {ckpt_path}", file=sys.stderr, flush=True)
-            if ckpt_path and ckpt_path not in LIGHTNING_CKPT_NAMES:
+                print(f"peftplug: {'resuming from' if subcommand == 'fit' else 'checkpoint'} {ckpt_path}",
+                      file=sys.stderr, flush=True)
+            if ckpt_path:  # "hpc"/"registry" too: no such file here, one line
                 read_checkpoint(ckpt_path, mmap=True)
                 if self.config[subcommand].get("weights_only", False) is None:
                     self.config[subcommand].weights_only = True  # what read_checkpoint just loaded it with

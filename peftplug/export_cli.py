@@ -13,13 +13,14 @@ refused in one line, untouched.
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from peftplug.adapter_export import write_module_base_record
-from peftplug.errors import ConfigError
+from peftplug.errors import ConfigError, PeftplugError
 from peftplug.flags import underscore_flags
 
 # What a folder written by `peftplug export` (or save_pretrained) holds: only such a folder may be overwritten.
@@ -41,6 +42,7 @@ def check_export_target(output: str, overwrite: bool) -> None:
     target = Path(output).expanduser()
     if target.exists() and not target.is_dir():
         raise ConfigError(f"--output {str(target)!r} is a file; give a folder to write (nothing was touched)")
+    check_writable_parent(target)
     if not target.is_dir() or not any(target.iterdir()):
         return
     if not overwrite:
@@ -50,6 +52,35 @@ def check_export_target(output: str, overwrite: bool) -> None:
         raise ConfigError(f"--output {str(target)!r} holds files but is not an adapter or model folder (no "
                           f"{' or '.join(_EXPORT_MARKERS)}); --overwrite replaces only earlier exports "
                           "(nothing was touched)")
+
+
+def check_writable_parent(target: Path) -> None:
+    """Refuses, before the model is loaded, an ``--output`` whose folder cannot be created or replaced there.
+
+    The export is written into a staging folder beside ``target`` and renamed onto it, so it needs to write in
+    ``target``'s parent (or the nearest folder above it that exists), and ``target`` must not be a mount point
+    (a mount point cannot be renamed).
+
+    Args:
+        target: The ``--output`` folder.
+
+    Raises:
+        ConfigError: If a path component is a file, the folder to write in is not writable (permissions, a read-only
+            file system), or ``target`` is a mount point.
+    """
+    absolute = Path(os.path.abspath(target))
+    if absolute.is_dir() and os.path.ismount(absolute):
+        raise ConfigError(f"--output {str(target)!r} is a mount point, which an export cannot replace (it is written "
+                          "beside its target and renamed onto it); give a folder inside it (nothing was touched)")
+    parent = absolute.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--output {str(target)!r}: {str(parent)!r} is a file, not a folder (nothing was touched)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--output {str(target)!r}: cannot write in {str(parent)!r} (not writable: permissions or a "
+                          "read-only file system); the export is written beside its target, so give a folder in a "
+                          "writable place (nothing was touched)")
 
 
 def parse_rank(rank: str | None, as_lora: bool, merge: bool) -> int | str | None:
@@ -148,9 +179,18 @@ def export_main(argv: Sequence[str]) -> int:
         # not by a local folder, so PEFT's check whether the vocabulary was resized cannot read the base's config
         # offline and warns that it assumes it was not. peftplug fit never resizes it: the assumption is right.
         warnings.filterwarnings("ignore", message="Could not find a config file in .* vocabulary was not modified")
-        if rank is not None:
-            print(f"wrote LoRA adapter (rank {rank}) to {export_as_lora(module, args.output, rank)}")
-            return 0
-        path = module.export(args.output, merge=args.merge, overwrite=args.overwrite)
+        try:
+            if rank is not None:
+                print(f"wrote LoRA adapter (rank {rank}) to {export_as_lora(module, args.output, rank)}")
+                return 0
+            path = module.export(args.output, merge=args.merge, overwrite=args.overwrite)
+        except OSError as err:
+            if isinstance(err, PeftplugError):  # MissingFileError is a FileNotFoundError: already one line
+                raise
+            # Checked up front, but the disk can fill up, or permissions change, during the write: the staging folder
+            # is removed and an earlier export left as it was (peftplug.fileio.atomic_directory).
+            where = f" ({err.filename})" if err.filename else ""
+            raise ConfigError(f"--output {args.output!r}: the export could not be written: {err.strerror or err}"
+                              f"{where}; an earlier export there is unchanged") from err
     print(f"wrote {'merged model' if args.merge else 'adapter'} to {path}")
     return 0

@@ -38,12 +38,23 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Pat
 
     Returns:
         ``path`` as a ``Path``.
+
+    The file gets the mode of the file it replaces, or for a new file the mode a new file gets under the umask
+    (``mkstemp``'s own 0600 would make an adapter or config unreadable to another user or a server).
     """
     path = Path(path)
+    try:
+        mode = path.stat().st_mode & 0o7777
+    except OSError:  # no previous file (or none we can see): the umask decides, as for open(path, "w")
+        mode = None
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        if mode is None:
+            usual_mode(tmp, directory=False)
+        else:
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

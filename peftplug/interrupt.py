@@ -92,8 +92,14 @@ class GracefulInterrupt(Callback):
 
     # ---------------------------------------------------------------- Lightning hooks
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Takes over SIGINT and SIGTERM (after Lightning installed its own SIGTERM handler)."""
+        """Takes over SIGINT and SIGTERM (after Lightning installed its own SIGTERM handler); on a resume, applies
+        the training loader's saved position if Lightning loaded the loader too early to
+        (:func:`peftplug.resume.restore_loader_position`), so that the resumed run trains the batches the
+        interrupted one had not."""
+        from peftplug.resume import restore_loader_position
+
         self.signal_received, self.checkpoint_path = None, None
+        restore_loader_position(trainer)
         self._install_handlers()
 
     @staticmethod
@@ -123,13 +129,20 @@ class GracefulInterrupt(Callback):
         if self.signal_received is None:  # another rank got it
             self.signal_received = signal.SIGTERM
         path = interrupt_checkpoint_path(trainer)
+        checkpoints = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+        for callback in checkpoints:
+            if callback.save_last and callback.dirpath and Path(callback.dirpath) == path.parent:
+                # This file is now the callback's "last" (recorded in the checkpoint's callback state): the resumed
+                # run then overwrites it instead of writing last-v1.ckpt beside a stale last.ckpt.
+                callback.last_model_path = str(path)
         trainer.save_checkpoint(path)
         self.checkpoint_path = path
-        # ModelCheckpoint would otherwise save again when the stopped epoch "ends": a checkpoint marked as the end
-        # of an epoch that was cut short, from which Lightning would skip the epoch's remaining batches.
-        for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint):
-                callback._last_global_step_saved = trainer.global_step
+        # ModelCheckpoint would otherwise save again when the stopped epoch "ends" (on_validation_end,
+        # on_train_epoch_end, and with save_last on_train_end if it had saved nothing yet): a checkpoint marked as the
+        # end of an epoch that was cut short, one epoch ahead, newer than this one and so what `--ckpt_path last` takes.
+        for callback in checkpoints:
+            callback._last_global_step_saved = trainer.global_step
+            callback._last_checkpoint_saved = callback._last_checkpoint_saved or str(path)
         trainer.should_stop = True
         if trainer.is_global_zero:
             print(f"peftplug: stopped at step {trainer.global_step}; checkpoint written to {path} (resume with "

@@ -40,7 +40,7 @@ from peftplug.loading import (
 from peftplug.nonfinite_steps import SkipsNonFiniteSteps
 from peftplug.prompt_generation import generate_new_tokens
 from peftplug.quantized_layout import keep_exact_4bit_layout
-from peftplug.resume import RNG_KEY, restore_rng, rng_state
+from peftplug.resume import RNG_KEY, restore_loader_position, restore_rng, rng_state
 from peftplug.schedules import build_lr_scheduler, check_resumed_length
 from peftplug.sharding import (
     FSDP_MIXED_PRECISIONS,
@@ -268,6 +268,9 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
     # ---------------------------------------------------------------- training
     def on_train_start(self) -> None:
         """On a resume: restores the checkpoint's RNG states (:meth:`on_load_checkpoint`), checks its LR schedule."""
+        # A run sized by epochs had its loader built before the restore (estimated_stepping_batches): without this,
+        # a plain Trainer's resume retrained the epoch's first batches (peftplug fit's GracefulInterrupt does it too).
+        restore_loader_position(self.trainer)
         states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
         # Only a fit that resumes from the checkpoint continues its random stream: a module that was loaded earlier
         # (load_from_checkpoint, validate/test with ckpt_path) and is now fitted afresh keeps the run's seed.

@@ -11,6 +11,11 @@ generators in their ``state_dict`` already.
 :func:`find_last_checkpoint` is what ``peftplug fit --ckpt_path last`` resolves to: the newest ``.ckpt`` under the
 recipe's ``default_root_dir``. Lightning's own ``"last"`` looks only in the checkpoint folder of the *current*
 logger version, which is a new, empty one in every run that has a logger.
+(:func:`peftplug.checkpoints.find_best_checkpoint` does the same for ``"best"``.)
+
+:func:`restore_loader_position` applies the training loader's saved position when Lightning created the loader
+before restoring the checkpoint (runs sized by ``max_epochs`` whose ``configure_optimizers`` asks for
+``trainer.estimated_stepping_batches``).
 """
 
 from __future__ import annotations
@@ -63,6 +68,33 @@ def restore_rng(states: dict[str, Any]) -> None:
     _set_rng_states(states)
 
 
+def restore_loader_position(trainer: Any) -> bool:
+    """Applies the training loader's saved position when Lightning loaded the loader before the checkpoint.
+
+    Lightning restores a stateful loader's position in ``FitLoop.setup_data``, and creates (and prefetches from)
+    the epoch's iterator there. ``trainer.estimated_stepping_batches`` calls ``setup_data`` when the run is sized by
+    epochs (``max_epochs``): from ``configure_optimizers`` (an LR schedule sized by the run, HELENE's annealing
+    horizon) that happens before the checkpoint is restored, so the position was never applied and the resumed run
+    trained the epoch's first batches again. Called when training starts (after the restore, before the first batch
+    is fetched): it loads the saved position and recreates the iterator. Does nothing when Lightning applied it.
+
+    Args:
+        trainer: The ``lightning.pytorch.Trainer`` at ``on_train_start``.
+
+    Returns:
+        Whether the position was applied here.
+    """
+    fit_loop = trainer.fit_loop
+    pending = getattr(fit_loop, "_combined_loader_states_to_load", None)
+    if not fit_loop.restarting or not pending or fit_loop._combined_loader is None or fit_loop._data_fetcher is None:
+        return False
+    fit_loop._load_combined_loader_states()
+    # The iterator made before the restore started at the epoch's first batch (and prefetched it); the new one
+    # starts at the saved position. Any global RNG draw this makes is undone by PeftModule's RNG restore.
+    iter(fit_loop._data_fetcher)
+    return True
+
+
 def find_last_checkpoint(root: str | os.PathLike) -> Path:
     """The most recently written ``.ckpt`` file under ``root`` (any depth).
 
@@ -97,4 +129,4 @@ def find_last_checkpoint(root: str | os.PathLike) -> Path:
     return max(found, key=lambda p: (p.stat().st_mtime_ns, p.name == "last.ckpt"))
 
 
-__all__ = ["RNG_KEY", "find_last_checkpoint", "restore_rng", "rng_state"]
+__all__ = ["RNG_KEY", "find_last_checkpoint", "restore_loader_position", "restore_rng", "rng_state"]
