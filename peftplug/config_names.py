@@ -213,8 +213,14 @@ def check_peft_spec(spec: Any, field: str = "model.peft") -> None:
     elif "peft_type" in spec:
         from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
+        from peftplug.methods import import_plugin_for
+
         raw = spec["peft_type"]
         peft_type = str(getattr(raw, "value", raw)).upper()
+        # A plugin type is in PEFT's mapping only once its package is imported; the builder imports it right after
+        # this check, so without this the check skipped an OFTV2 dict and a typo reached the constructor as a
+        # TypeError traceback.
+        import_plugin_for(peft_type)
         known = {getattr(k, "value", k): v for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
         # With peft_version the dict was written by PEFT (an adapter_config.json): a key only another PEFT release
         # has is not a typo; it is dropped with a warning where the config is built (saved_config_extras), as PEFT's

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,8 @@ _PACKAGE = "peft"
 
 # Callbacks waiting for PEFT's import, in registration order (run and emptied by the finder's loader).
 _waiting: list[Callable[[], None]] = []
+# Set while the finder asks the others for PEFT's spec (per thread: imports in other threads are unaffected).
+_searching = threading.local()
 
 
 def _run_waiting() -> None:
@@ -38,7 +41,12 @@ def _run_waiting() -> None:
 
 
 class _AfterPeftImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for ``peft`` it asks the other finders and wraps the loader they return."""
+    """Finds nothing itself: for ``peft`` it asks the other finders and wraps the loader they return.
+
+    It stays on ``sys.meta_path`` until PEFT has actually been executed: ``importlib.util.find_spec("peft")`` without
+    an import (transformers' ``is_peft_available()``, which ``from_pretrained`` calls) also asks the finders, and a
+    finder that left at that probe lost the callbacks (the spec it wrapped is thrown away).
+    """
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         """The spec the other finders give ``fullname``, its loader wrapped when it is PEFT.
@@ -48,10 +56,21 @@ class _AfterPeftImport(importlib.abc.MetaPathFinder):
             path: The parent package's ``__path__`` (``None`` for a top-level module).
             target: The module object when reloading.
         """
-        if fullname != _PACKAGE:
+        if fullname != _PACKAGE or not _waiting or getattr(_searching, "active", False):
             return None
-        sys.meta_path.remove(self)  # once: the hook is done whatever the other finders say
-        spec = importlib.util.find_spec(fullname)
+        spec = None
+        # Asks the other finders directly (as the import system does): importlib.util.find_spec would come back here
+        # while this finder is still on sys.meta_path (and the flag keeps a finder that asks it from doing so).
+        _searching.active = True
+        try:
+            for finder in list(sys.meta_path):
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+        finally:
+            _searching.active = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         loader = spec.loader
@@ -59,6 +78,8 @@ class _AfterPeftImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             original(module)
+            if self in sys.meta_path:  # once PEFT has run: later imports of it are cached in sys.modules
+                sys.meta_path.remove(self)
             _run_waiting()
 
         loader.exec_module = exec_module  # this spec's own loader object (one per module)

@@ -70,10 +70,15 @@ class PCTConfig(PromptLearningConfig):
                                        self.contrastive_weight))
         if self.fusion not in FUSIONS:
             raise ValueError(f"fusion must be one of {FUSIONS}, got {self.fusion!r}")
+        # A string such as "false" is truthy: it used to train the residual silently.
+        if not isinstance(self.trainable_residual, bool):
+            raise ValueError(f"trainable_residual must be True or False, got {self.trainable_residual!r}")  # noqa: TRY004
         if self.fusion == "mean" and not self.trainable_residual:
             raise ValueError("fusion='mean' with trainable_residual=False leaves nothing to train; "
                              "set trainable_residual=True or fusion='attention'")
-        meta = self._read_decomposition_meta()
+        # A saved adapter (inference_mode, as PEFT saves and loads it) holds P_0 and S_k itself: the folder at its
+        # decomposition_path may since hold another decomposition, which must not stop it from loading.
+        meta = None if self.inference_mode and self.num_sources is not None else self._read_decomposition_meta()
         if meta is not None:
             self._check_against(meta)
         elif self.num_sources is None:
@@ -84,6 +89,13 @@ class PCTConfig(PromptLearningConfig):
         if self.num_sources is not None:
             check_int("num_sources", self.num_sources, low=1)
             self.num_sources = python_number(self.num_sources)
+        # A string would pass the length check below as one name per character ("abc": three sources).
+        if self.source_names is not None and (
+            isinstance(self.source_names, str)
+            or not isinstance(self.source_names, (list, tuple))
+            or not all(isinstance(n, str) and n for n in self.source_names)
+        ):
+            raise ValueError(f"source_names must be a list of non-empty task names, got {self.source_names!r}")
         if self.source_names is not None and not self.source_names:
             raise ValueError("source_names is empty: PCT needs at least one source prompt")
         if self.source_names is not None and len(self.source_names) != self.num_sources:

@@ -134,7 +134,9 @@ class PCTPromptEncoder(BasePromptEncoder):
         if path is not None:
             import os
 
-            if os.path.isdir(path):
+            # Not for a saved adapter being loaded (inference_mode): its own P_0 and S_k are loaded over the sources,
+            # and the folder may since hold another decomposition (see PCTConfig.__post_init__).
+            if os.path.isdir(path) and not config.inference_mode:
                 dec = load_decomposition(path)
                 source_model = dec.settings.get("base_model") or "an unrecorded model"
                 target_model = config.base_model_name_or_path or "an unnamed model"
@@ -156,7 +158,7 @@ class PCTPromptEncoder(BasePromptEncoder):
                         f"num_sources={config.num_sources}, num_virtual_tokens={config.num_virtual_tokens}"
                     )
                 self.embedding.set_sources(dec.p0, dec.specific)
-            elif not config.inference_mode:
+            elif not config.inference_mode:  # (a missing folder, for training: the state must come from a load)
                 logger.info("decomposition %s not found; expecting a saved PCT state to be loaded", path)
         self.source_names = list(config.source_names or [f"source_{i}" for i in range(config.num_sources)])
 

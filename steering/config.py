@@ -13,6 +13,9 @@ OPERATORS = ("add", "ablate", "ablate_then_add")
 POSITIONS = ("all", "prompt", "generated", "from_last_prompt")
 HOOK_POINTS = ("block_output",)
 LAYER_CONVENTIONS = ("block_index",)
+#: PEFT task types a steering adapter accepts. PEFT's SEQ_CLS, TOKEN_CLS and QUESTION_ANS models add the task head to
+#: ``modules_to_save`` (it would train and be saved with the adapter), which a vectors-only adapter cannot hold.
+TASK_TYPES = (None, "CAUSAL_LM", "SEQ_2_SEQ_LM", "FEATURE_EXTRACTION")
 
 
 @dataclass
@@ -57,6 +60,8 @@ class SteeringConfig(PeftConfig):
             ``SFTTrainer`` reads and extends it (with ``trainable_token_indices``) when its ``chat_template_path``
             adds tokens; creating the adapter then refuses with a one-line reason.
         trainable_token_indices: Must stay ``None`` (see ``modules_to_save``).
+        task_type: One of :data:`TASK_TYPES`. To steer a classifier (``XForSequenceClassification``), leave it
+            ``None``: PEFT's ``SEQ_CLS``/``TOKEN_CLS``/``QUESTION_ANS`` models would train the head as well.
     """
 
     layers: list[int] | None = field(default=None, metadata={"help": "0-based decoder blocks to steer."})
@@ -123,13 +128,30 @@ class SteeringConfig(PeftConfig):
         ):
             if value not in accepted:
                 raise ValueError(f"SteeringConfig.{name} must be one of {accepted}, got {value!r}")
-        if self.hidden_size is not None and (not isinstance(self.hidden_size, int) or self.hidden_size <= 0):
+        # A string such as "false" is truthy: it used to normalise silently.
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"SteeringConfig.normalize must be True or False, got {self.normalize!r}")  # noqa: TRY004
+        if self.hidden_size is not None and (
+            not isinstance(self.hidden_size, int) or isinstance(self.hidden_size, bool) or self.hidden_size <= 0
+        ):
             raise ValueError(f"SteeringConfig.hidden_size must be a positive int, got {self.hidden_size!r}")
         self.check_vectors_only()
 
     def check_vectors_only(self) -> None:
         """Raises ``ValueError`` if ``modules_to_save`` or ``trainable_token_indices`` is set (also when a trainer
-        set it after construction, as TRL's ``SFTTrainer`` does for tokens its chat template added)."""
+        set it after construction, as TRL's ``SFTTrainer`` does for tokens its chat template added), or if
+        ``task_type`` is not one of :data:`TASK_TYPES` (also checked again when the adapter is created, as a trainer
+        may fill ``task_type`` in after construction)."""
+        task = getattr(self.task_type, "value", self.task_type)
+        if task not in TASK_TYPES:
+            # Before the modules_to_save check: PEFT's SEQ_CLS model fills that in first, and the message about it
+            # (TRL) would not name the real cause. TOKEN_CLS / QUESTION_ANS fill it in only after the adapter is
+            # created, so without this they trained the head and saved an adapter that this class refuses to load.
+            raise ValueError(
+                f"SteeringConfig.task_type must be one of {TASK_TYPES}, got {task!r}: PEFT's {task} model trains "
+                "the task head with the adapter, and a steering adapter holds vectors only (to steer a classifier, "
+                "leave task_type None)"
+            )
         for name in ("trainable_token_indices", "modules_to_save"):
             if getattr(self, name) is not None:
                 raise ValueError(

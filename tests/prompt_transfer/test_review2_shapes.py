@@ -55,3 +55,24 @@ def test_saved_pct_adapter_on_a_model_of_another_width_fails_when_loaded(pct_dir
         pt.load_pct_for_training(tiny_model("llama", **narrow), str(pct_dir))
     # The same adapter on its own width still loads.
     assert pt.load_pct_for_training(tiny_model("llama"), str(pct_dir)) is not None
+
+
+def test_a_saved_adapter_loads_after_its_decomposition_folder_was_reused(tiny_model, tmp_path, monkeypatch):
+    # The docs' relative decomposition_path, decomposed again for another experiment (K=4, 5 tokens): the saved
+    # adapter holds its own P_0 and S_k, so it loads and computes what it did.
+    monkeypatch.chdir(tmp_path)
+    g = torch.Generator().manual_seed(1)
+    pt.save_decomposition(pt.decompose({f"s{i}": torch.randn(3, 64, generator=g) for i in range(3)},
+                                       contrastive_steps=5), "decomposition")
+    model = peft.get_peft_model(tiny_model("llama"), pt.PCTConfig(task_type="CAUSAL_LM",
+                                                                 decomposition_path="decomposition"))
+    x = torch.randint(4, 90, (2, 8), generator=g)
+    model.eval()
+    with torch.no_grad():
+        expected = model(x).logits
+    model.save_pretrained("adapter")
+    pt.save_decomposition(pt.decompose({f"t{i}": torch.randn(5, 64, generator=g) for i in range(4)},
+                                       contrastive_steps=5), "decomposition")
+    loaded = peft.PeftModel.from_pretrained(tiny_model("llama"), "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, expected, rtol=0, atol=1e-6)
