@@ -266,6 +266,29 @@ def _prompt_tuning_view(config):
     )
 
 
+def _refuse_packed_batches(peft_type: str):
+    """A forward pre-hook for the base model under a prompt-tuning-like plugin: refuses packed batches.
+
+    PEFT's prompt-learning forward drops ``position_ids`` and puts the prompt once before each row, so the examples
+    of a packed row (TRL's ``packing=True`` / ``padding_free=True``) attended to each other and only the first saw
+    the prompt: the run trained on the loss of one long sequence, silently. The boundaries TRL passes
+    (``cu_seq_lens_q``, ``seq_idx``) still reach the base model, which is where they are seen.
+
+    Args:
+        peft_type: The plugin's type, for the message.
+    """
+
+    def hook(module, args, kwargs):
+        if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("seq_idx") is not None:
+            raise ValueError(
+                f"a {peft_type} prompt cannot train on packed or padding-free batches (TRL's packing=True or "
+                "padding_free=True): PEFT puts the prompt once before the packed row and drops its position ids, so "
+                "its examples would attend to each other and only the first would see the prompt; set packing=False"
+            )
+
+    return hook
+
+
 def _install_prompt_tuning_dispatch() -> None:
     from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
     from peft.peft_model import PeftModel
@@ -290,6 +313,9 @@ def _install_prompt_tuning_dispatch() -> None:
         config.num_transformer_submodules = stand_in.num_transformer_submodules
         encoder = PEFT_TYPE_TO_TUNER_MAPPING[config.peft_type](config, self.word_embeddings)
         self.prompt_encoder[adapter_name] = encoder.to(self.device)
+        if "_peftplug_packing_guard" not in self.__dict__:
+            self.__dict__["_peftplug_packing_guard"] = self.base_model.register_forward_pre_hook(
+                _refuse_packed_batches(_type_value(config.peft_type)), with_kwargs=True)
 
     def active_peft_config(self):
         config = original_active.fget(self)

@@ -17,6 +17,28 @@ LAYER_CONVENTIONS = ("block_index",)
 #: ``modules_to_save`` (it would train and be saved with the adapter), which a vectors-only adapter cannot hold.
 TASK_TYPES = (None, "CAUSAL_LM", "SEQ_2_SEQ_LM", "FEATURE_EXTRACTION")
 
+# Position policies a gradient-trained vector can use. A training forward is one teacher-forced pass over whole
+# texts with no prompt length: every token counts as prompt, so "generated" selects nothing (no gradient reaches the
+# vector) and "from_last_prompt" only the last token of the padded width (often padding). "prompt" trains like "all".
+TRAINABLE_POSITIONS = ("all", "prompt")
+
+
+def check_trainable_positions(positions: str, where: str) -> None:
+    """Refuses a position policy that a training forward cannot express (see :data:`TRAINABLE_POSITIONS`).
+
+    Args:
+        positions: The adapter's ``positions`` policy.
+        where: What is being trained, for the message.
+    """
+    if positions not in TRAINABLE_POSITIONS:
+        raise ValueError(
+            f"positions={positions!r} ({where}) cannot be trained: training forwards are whole texts without a "
+            f"prompt/generation split, so the vector would get no gradient; use positions in {TRAINABLE_POSITIONS} "
+            "(the trained vectors can be applied under another policy afterwards: steering_adapter(model, vectors, "
+            "positions=...))"
+        )
+
+
 
 @dataclass
 class SteeringConfig(PeftConfig):

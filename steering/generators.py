@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from steering.config import TRAINABLE_POSITIONS, check_trainable_positions
 from steering.easyedit_data import TokenizedPairs, caa_rows, is_rows, vector_prompt_rows
 from steering.families import find_blocks
 from steering.layer import SteeringLayer
@@ -376,23 +377,6 @@ def steering_loss(model, batch: dict, objective: str = "preference", beta: float
     return -F.logsigmoid(beta * margin).mean()
 
 
-# Position policies a gradient-trained vector can use. A training forward is one teacher-forced pass over whole
-# texts with no prompt length: every token counts as prompt, so "generated" selects nothing (no gradient reaches the
-# vector) and "from_last_prompt" only the last token of the padded width (often padding). "prompt" trains like "all".
-TRAINABLE_POSITIONS = ("all", "prompt")
-
-
-def _check_trainable_positions(positions: str, where: str) -> None:
-    """Refuses a position policy that a training forward cannot express (see :data:`TRAINABLE_POSITIONS`)."""
-    if positions not in TRAINABLE_POSITIONS:
-        raise ValueError(
-            f"positions={positions!r} ({where}) cannot be trained: training forwards are whole texts without a "
-            f"prompt/generation split, so the vector would get no gradient; use positions in {TRAINABLE_POSITIONS} "
-            "(the trained vectors can be applied under another policy afterwards: steering_adapter(model, vectors, "
-            "positions=...))"
-        )
-
-
 def train_vectors(
     peft_model, tokenizer, pairs, objective: str = "preference", steps: int = 50, lr: float = 0.05,
     batch_size: int = 8, beta: float = 1.0, seed: int = 0, progress: bool = True,
@@ -428,7 +412,7 @@ def train_vectors(
     names = set(getattr(peft_model.base_model, "active_adapters", ["default"]))
     for name, config in getattr(peft_model.base_model, "peft_config", {}).items():
         if name in names:
-            _check_trainable_positions(getattr(config, "positions", "all"), f"adapter {name!r}")
+            check_trainable_positions(getattr(config, "positions", "all"), f"adapter {name!r}")
     # From the layers, not by parameter name: the name ends in `.weight`, not the adapter's name.
     params = [p for m in peft_model.modules() if isinstance(m, SteeringLayer)
               for n, p in m.steer_vector.parameter_items() if n in names]
@@ -523,7 +507,7 @@ def train_steering_vector(
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method == "trainable":
-        _check_trainable_positions(positions, "method='trainable'")
+        check_trainable_positions(positions, "method='trainable'")
     layers = _validate_layers(model, layers)
     if is_rows(pairs) and method == "vector_prompt":
         pairs = vector_prompt_rows(tokenizer, pairs, prompt, use_chat_template, system_prompt)

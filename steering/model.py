@@ -13,7 +13,7 @@ from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
 from peftplug.adapter_params import UpgradesLegacyKeys
-from steering.config import SteeringConfig
+from steering.config import SteeringConfig, check_trainable_positions
 from steering.families import FAMILIES, find_blocks, hidden_size_of, merge_target
 from steering.layer import SteeringLayer
 from steering.merge import COMBINATIONS, merge_vectors
@@ -135,6 +135,25 @@ class SteeringModel(UpgradesLegacyKeys, BaseTuner):
         """
         super().inject_adapter(model, adapter_name, *args, **kwargs)
         self._post_injection_hook(model, self.peft_config[adapter_name], adapter_name)
+
+    def train(self, mode: bool = True) -> SteeringModel:
+        """``nn.Module.train``, refusing first to train a vector whose ``positions`` no training forward can express.
+
+        Trainers (HF ``Trainer``, TRL, Lightning) call ``model.train()`` before their steps. A training forward has
+        no prompt length, so under ``positions="generated"`` (or ``"from_last_prompt"``) the vector got no gradient
+        (or only the last token's, which no label reads) while the run logged normal losses.
+
+        Args:
+            mode: Training mode (``False`` is ``eval()``, never refused).
+        """
+        if mode:
+            for layer in self.model.modules():
+                if not isinstance(layer, SteeringLayer):
+                    continue
+                for name, param in layer.steer_vector.parameter_items():
+                    if name in layer.active_adapters and param.requires_grad:
+                        check_trainable_positions(layer.steer_positions[name], f"adapter {name!r} put in training mode")
+        return super().train(mode)
 
     def _check_steering_merge(self, adapter_names: list[str] | None) -> None:
         """Raises ``ValueError`` before any bias changes if some layer cannot merge ``adapter_names`` exactly."""
