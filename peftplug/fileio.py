@@ -91,6 +91,10 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterat
     usual_mode(staging)
     try:
         yield staging
+        if target.exists() and not overwrite:
+            # Another process made it while this one wrote (a DDP rank, a second conversion): theirs stays, and may
+            # already be in use; replacing it would leave a moment without the folder and delete files handed out.
+            raise FileExistsError(f"{target} exists")
         if target.exists():
             # Renaming a directory onto a non-empty one fails on POSIX: move the old one aside first.
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
@@ -105,7 +109,12 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterat
                 if target.exists():  # the new or the previous directory is in place: the set-aside copy can go
                     shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(staging, target)
+            try:
+                os.replace(staging, target)
+            except OSError:
+                if target.exists() and not overwrite:  # made in the moment since the check: as above
+                    raise FileExistsError(f"{target} exists") from None
+                raise
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

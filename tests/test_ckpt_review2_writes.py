@@ -18,7 +18,7 @@ import pytest
 from tiny_recipes import causal_recipe
 
 from peftplug.cli import main
-from peftplug.fileio import atomic_write, atomic_write_text
+from peftplug.fileio import atomic_directory, atomic_write, atomic_write_text
 
 
 @pytest.fixture
@@ -108,3 +108,13 @@ def test_a_write_that_fails_midway_is_one_line_and_keeps_the_earlier_export(ckpt
     assert "the export could not be written: No space left on device" in line and "unchanged" in line
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["adapter"]  # no staging folder left
+
+
+def test_a_folder_made_by_another_process_meanwhile_is_not_replaced(tmp_path):
+    target = tmp_path / "model"
+    with pytest.raises(FileExistsError), atomic_directory(target) as staging:
+        (staging / "mine.txt").write_text("mine")
+        target.mkdir()  # another process (a DDP rank, a second conversion) finished first
+        (target / "theirs.txt").write_text("theirs")
+    assert sorted(p.name for p in target.iterdir()) == ["theirs.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no staging folder left
