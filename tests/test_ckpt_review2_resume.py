@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 import signal
 
-import lightning
 import pytest
 import torch
+from test_interrupt_accumulation import SignalAtBatch
 from test_resume import assert_same_adapter
 from tiny_recipes import causal_recipe
 
@@ -28,17 +28,6 @@ EPOCHS = 2
 STEPS = 18  # 18 training rows in batches of 2: 9 batches per epoch
 PERIODIC = ('--trainer.callbacks=[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", '
             '"init_args": {"every_n_train_steps": 200, "save_last": true}}]')
-
-
-class SignalAtBatch(lightning.Callback):
-    """Sends a real SIGINT while micro-batch ``batch`` (counted from 0 over the whole run) runs."""
-
-    def __init__(self, batch: int) -> None:
-        self.batch = batch
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.fit_loop.epoch_loop.total_batch_idx == self.batch:
-            os.kill(os.getpid(), signal.SIGINT)
 
 
 def _recipe(root):

@@ -15,7 +15,7 @@ import os
 
 import lightning  # noqa: F401  (imported before capsys swaps stderr: Lightning's log handler binds to it)
 import pytest
-from tiny_recipes import causal_recipe
+from tiny_recipes import one_step_lora_checkpoint
 
 from peftplug.cli import main
 from peftplug.fileio import atomic_directory, atomic_write, atomic_write_text
@@ -54,13 +54,7 @@ def test_a_writer_that_raises_leaves_the_previous_file_and_no_temporary_one(tmp_
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("export_target")
-    rows = [{"prompt": f"Q{i}", "response": f" {i}"} for i in range(8)]
-    recipe = causal_recipe(tmp, rows, peft={"peft_type": "LORA", "r": 2, "target_modules": ["q_proj"]},
-                           optimizer=None, trainer={"max_steps": 1, "limit_val_batches": 0}, data={"batch_size": 4})
-    assert main(["fit", "--config", str(recipe)]) == 0
-    (path,) = (tmp / "runs").rglob("*.ckpt")
-    return str(path)
+    return str(one_step_lora_checkpoint(tmp_path_factory.mktemp("export_target")))
 
 
 def _one_error_line(capsys) -> str:

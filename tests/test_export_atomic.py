@@ -8,21 +8,14 @@ import os
 
 import lightning  # noqa: F401  (imported before capsys swaps stderr: Lightning's log handler binds to it)
 import pytest
-from tiny_recipes import causal_recipe
+from tiny_recipes import one_step_lora_checkpoint
 
 from peftplug.checkpoints import load_checkpoint_module
-from peftplug.cli import main
 
 
 @pytest.fixture(scope="module")
 def module(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("export_atomic")
-    rows = [{"prompt": f"Q{i}", "response": f" {i}"} for i in range(8)]
-    recipe = causal_recipe(tmp, rows, peft={"peft_type": "LORA", "r": 2, "target_modules": ["q_proj"]},
-                           optimizer=None, trainer={"max_steps": 1, "limit_val_batches": 0}, data={"batch_size": 4})
-    assert main(["fit", "--config", str(recipe)]) == 0
-    (ckpt,) = (tmp / "runs").rglob("*.ckpt")
-    return load_checkpoint_module(str(ckpt))
+    return load_checkpoint_module(str(one_step_lora_checkpoint(tmp_path_factory.mktemp("export_atomic"))))
 
 
 @pytest.mark.parametrize("merge", [False, True])

@@ -48,3 +48,15 @@ def causal_recipe(root: Path, rows: list[dict], *, peft: dict, optimizer: dict |
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
+
+
+def one_step_lora_checkpoint(root: Path) -> Path:
+    """Runs a one-step LoRA ``peftplug fit`` of the tiny Llama under ``root`` and returns its checkpoint."""
+    from peftplug.cli import main
+
+    rows = [{"prompt": f"Q{i}", "response": f" {i}"} for i in range(8)]
+    recipe = causal_recipe(root, rows, peft={"peft_type": "LORA", "r": 2, "target_modules": ["q_proj"]},
+                           optimizer=None, trainer={"max_steps": 1, "limit_val_batches": 0}, data={"batch_size": 4})
+    assert main(["fit", "--config", str(recipe)]) == 0
+    (path,) = (root / "runs").rglob("*.ckpt")
+    return path
