@@ -15,7 +15,7 @@ import signal
 
 import pytest
 import torch
-from test_interrupt_accumulation import SignalAtBatch
+from test_interrupt_accumulation import SignalAtBatch, _one_thread_and_sigint  # noqa: F401 (autouse here too)
 from test_resume import assert_same_adapter
 from tiny_recipes import causal_recipe
 
@@ -38,17 +38,6 @@ def _recipe(root):
         lr_scheduler={"class_path": "torch.optim.lr_scheduler.LinearLR",
                       "init_args": {"start_factor": 1.0, "end_factor": 0.2, "total_iters": 12}},
         trainer={"max_epochs": EPOCHS, "limit_val_batches": 0}, data={"val_fraction": 0.1})
-
-
-@pytest.fixture(autouse=True)
-def _one_thread_and_sigint():
-    """One thread (bit-for-bit sums) and SIGINT as an interactive shell leaves it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, before)
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
