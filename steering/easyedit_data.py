@@ -69,19 +69,30 @@ def is_rows(pairs) -> bool:
     return isinstance(pairs, (list, tuple)) and len(pairs) > 0 and isinstance(pairs[0], dict)
 
 
-# EasyEdit2's NO_SYSTEM_PROMPT_MODELS (steer/utils/templates.py), matched as substrings of the lower-cased
-# tokenizer.name_or_path: Gemma's chat templates raise on a system message. "gemma" alone covers the other two.
-NO_SYSTEM_PROMPT_MODELS = ("gemma", "gemma-2", "codegemma")
+def apply_chat_template_with_system(tokenizer, messages: list[dict], system_prompt: str | None = None,
+                                    **kwargs) -> str:
+    """EasyEdit2's ``safe_apply_chat_template``: a system message if the template takes one, else folded.
 
-
-def supports_system_prompt(tokenizer) -> bool:
-    """EasyEdit2's ``model_supports_system_prompt``: ``False`` for Gemma-family tokenizers (by name).
+    The template itself decides, not the model's name: a Gemma checkpoint under a local path (whose template
+    raises on a system role) folds, and a template that accepts a system role (Gemma-3 merges it into the first
+    user turn its own way) gets it as a system message, as EasyEdit2 does.
 
     Args:
-        tokenizer: The tokenizer; its ``name_or_path`` is what EasyEdit2 checks.
+        tokenizer: A tokenizer with a chat template.
+        messages: The conversation (its first message is the user's).
+        system_prompt: Optional system message; where the template refuses a system role it becomes a
+            ``f"{system_prompt} "`` prefix of the first user message.
+        **kwargs: Passed to ``apply_chat_template`` (``tokenize=False``, ``add_generation_prompt=True``, ...).
     """
-    name = str(getattr(tokenizer, "name_or_path", "") or "").lower()
-    return not any(model in name for model in NO_SYSTEM_PROMPT_MODELS)
+    if system_prompt:
+        try:
+            return tokenizer.apply_chat_template([{"role": "system", "content": system_prompt}, *messages], **kwargs)
+        except Exception:  # noqa: BLE001, S110 - templates refuse a system role by raising (jinja's raise_exception)
+            pass  # then fold it into the user message below
+    messages = [dict(m) for m in messages]
+    if system_prompt and messages and messages[0].get("role") == "user":
+        messages[0]["content"] = f"{system_prompt} {messages[0]['content']}"
+    return tokenizer.apply_chat_template(messages, **kwargs)
 
 
 def build_model_input(user_input: str, tokenizer, system_prompt: str | None = None,
@@ -92,7 +103,7 @@ def build_model_input(user_input: str, tokenizer, system_prompt: str | None = No
         user_input: The question (stripped first, as EasyEdit2 does).
         tokenizer: The tokenizer (its chat template when ``use_chat_template``).
         system_prompt: Optional system message (a prefix without the chat template; with it, a system message,
-            or for Gemma-family tokenizers a prefix of the user message, as EasyEdit2 does).
+            or where the template refuses a system role a prefix of the user message, as EasyEdit2 does).
         use_chat_template: Wrap in the chat template with the generation prompt.
     """
     user_input = user_input.strip()
@@ -100,14 +111,8 @@ def build_model_input(user_input: str, tokenizer, system_prompt: str | None = No
         return f"{system_prompt} {user_input}" if system_prompt else user_input
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError("use_chat_template=True, but the tokenizer has no chat template")
-    messages = []
-    if system_prompt and supports_system_prompt(tokenizer):
-        messages.append({"role": "system", "content": system_prompt})
-    elif system_prompt:
-        # EasyEdit2 folds the system prompt into the user message for models whose template has no system role.
-        user_input = f"{system_prompt} {user_input}"
-    messages.append({"role": "user", "content": user_input})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return apply_chat_template_with_system(tokenizer, [{"role": "user", "content": user_input}], system_prompt,
+                                           tokenize=False, add_generation_prompt=True)
 
 
 def _ids(tokenizer, text: str, add_special_tokens: bool) -> list[int]:

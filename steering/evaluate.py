@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from steering.easyedit_data import apply_chat_template_with_system
+
 Scorer = Callable[[list[str]], Sequence[float]]
 _WORD = re.compile(r"\w+|[^\w\s]")
 
@@ -45,7 +47,8 @@ def chat_prompts(tokenizer, requests: Sequence[str], system_prompt: str | None =
     Args:
         tokenizer: A tokenizer with a chat template.
         requests: The user messages.
-        system_prompt: Optional system message (SmolLM2's template adds a default one when none is given).
+        system_prompt: Optional system message (SmolLM2's template adds a default one when none is given); where
+            the template refuses a system role (Gemma) it prefixes the user message, as EasyEdit2 does.
         instruction: A steering instruction prepended to each user message as ``f"{instruction} {request}"``:
             EasyEdit2's *prompt* baseline.
     """
@@ -54,9 +57,8 @@ def chat_prompts(tokenizer, requests: Sequence[str], system_prompt: str | None =
     out = []
     for request in requests:
         content = f"{instruction} {request.strip()}" if instruction else request.strip()
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        messages.append({"role": "user", "content": content})
-        out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        out.append(apply_chat_template_with_system(tokenizer, [{"role": "user", "content": content}], system_prompt,
+                                                   tokenize=False, add_generation_prompt=True))
     return out
 
 
@@ -111,7 +113,8 @@ def generate(
 
     Args:
         model: A causal LM or a ``PeftModel`` with steering adapters (as it is: active adapters steer).
-        tokenizer: Its tokenizer (its padding side is set to left for the call and restored).
+        tokenizer: Its tokenizer (prompts are left-padded with its pad token, or its EOS token where it has none,
+            as Llama-family tokenizers; the tokenizer is not changed).
         prompts: Prompt texts (chat-formatted, encoded without extra special tokens, unless
             ``add_special_tokens``).
         max_new_tokens: Tokens to generate per prompt (fewer when the model ends its answer).
@@ -130,8 +133,6 @@ def generate(
         raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, {batch_size}")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stops = _stop_ids(tokenizer)
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
     out = Generations(list(prompts), [], [], [])
     kwargs = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "pad_token_id": pad_id}
     if do_sample:
@@ -145,7 +146,15 @@ def generate(
     try:
         for b, lo in enumerate(range(0, len(prompts), batch_size)):
             chunk = list(prompts[lo:lo + batch_size])
-            batch = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens)
+            # Padded here, not by the tokenizer: that refuses to pad without a pad token (Llama, GPT-2 tokenizers).
+            seqs = tokenizer(chunk, add_special_tokens=add_special_tokens)["input_ids"]
+            width = max(len(s) for s in seqs)
+            batch = {"input_ids": torch.full((len(seqs), width), 0 if pad_id is None else pad_id, dtype=torch.long),
+                     "attention_mask": torch.zeros((len(seqs), width), dtype=torch.long)}
+            for i, s in enumerate(seqs):  # left padding: generation continues every row from its last token
+                if s:
+                    batch["input_ids"][i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+                    batch["attention_mask"][i, width - len(s):] = 1
             if do_sample:
                 torch.manual_seed(seed + b)
             start = time.perf_counter()
@@ -153,7 +162,6 @@ def generate(
                 # Inputs on the model's device; the ids come back to the CPU inside the timed span (a sync on CUDA).
                 ids = model.generate(**{k: v.to(device) for k, v in batch.items()}, **kwargs).cpu()
             out.seconds += time.perf_counter() - start
-            width = batch["input_ids"].shape[1]
             out.new_tokens += (ids.shape[1] - width) * ids.shape[0]
             for row, mask in zip(ids, batch["attention_mask"]):
                 out.prompt_ids.append(row[:width][mask.bool()].tolist())
@@ -162,7 +170,6 @@ def generate(
                 out.new_ids.append(new[:cut])
                 out.texts.append(tokenizer.decode(new[:cut], skip_special_tokens=True))
     finally:
-        tokenizer.padding_side = side
         model.train(was_training)
     return out
 
@@ -395,6 +402,11 @@ def evaluate_steering(
 def classifier_scorer(model, tokenizer, positive_label: int = 1, batch_size: int = 32, max_length: int = 128) -> Scorer:
     """A concept scorer from a sequence classifier: ``texts -> softmax(logits)[positive_label]``.
 
+    A multi-label head (``config.problem_type == "multi_label_classification"``, e.g. toxicity classifiers with one
+    label per kind of toxicity) and a single-logit head (``num_labels == 1``, a binary classifier trained with a
+    sigmoid) score ``sigmoid(logits[positive_label])`` instead: their labels are not exclusive, so a softmax would
+    dilute the probability (multi-label) or give 1.0 for every text (one logit).
+
     Args:
         model: A transformers sequence-classification model (or a path to one, loaded with
             ``AutoModelForSequenceClassification``).
@@ -413,6 +425,7 @@ def classifier_scorer(model, tokenizer, positive_label: int = 1, batch_size: int
     num_labels = getattr(model.config, "num_labels", None)
     if num_labels is not None and not 0 <= positive_label < num_labels:
         raise ValueError(f"positive_label must be in 0..{num_labels - 1}, got {positive_label}")
+    independent = num_labels == 1 or getattr(model.config, "problem_type", None) == "multi_label_classification"
 
     def score(texts: list[str]) -> list[float]:
         out = []
@@ -423,9 +436,13 @@ def classifier_scorer(model, tokenizer, positive_label: int = 1, batch_size: int
             # so left padding would shift every position and change the scores.
             batch = tokenizer(chunk, return_tensors="pt", padding=True, truncation=True, max_length=max_length,
                               padding_side="right")
+            ref = next(model.parameters(), None)
+            if ref is not None:  # the classifier may sit on a GPU; the tokenizer returns CPU tensors
+                batch = {k: v.to(ref.device) for k, v in batch.items()}
             with torch.inference_mode():
-                probs = torch.softmax(model(**batch).logits.float(), dim=-1)
-            out.extend(probs[:, positive_label].tolist())
+                logits = model(**batch).logits.float()
+            probs = torch.sigmoid(logits) if independent else torch.softmax(logits, dim=-1)
+            out.extend(probs[:, positive_label].cpu().tolist())
         return out
 
     return score

@@ -19,7 +19,8 @@ def merge_vectors(
     """Merges same-shaped vectors into one.
 
     ``"linear"`` is ``sum_i w_i v_i``; ``"ties"`` trims each vector to its ``density`` largest-magnitude
-    entries, elects a sign per entry and averages the agreeing ones; ``"dare_*"`` drops entries at random
+    entries, elects a sign per entry and averages the agreeing ones (PEFT's TIES; a negative weight ``-w`` merges
+    ``-v`` with weight ``w``, so signs are elected on what each vector adds); ``"dare_*"`` drops entries at random
     with probability ``1 - density`` and rescales the rest (then linear or TIES); ``"magnitude_prune"``
     trims by magnitude and sums.
 
@@ -44,6 +45,12 @@ def merge_vectors(
         raise ValueError(f"vectors to merge have different shapes: {sorted(shapes)}")
     tensors = [v.detach().float() for v in vectors]
     w = torch.tensor([float(x) for x in weights], dtype=torch.float32)
+    if combination_type in ("ties", "dare_ties"):
+        # PEFT elects each entry's sign from the *unweighted* vectors but sums the weighted ones, so a vector merged
+        # with a negative weight (steering away from a concept) is kept where it disagrees with the merge and
+        # dropped where it agrees. Merging v with weight -w is merging -v with weight w: elect on what is added.
+        tensors = [-t if x < 0 else t for t, x in zip(tensors, w.tolist())]
+        w = w.abs()
     if combination_type == "linear":
         return merge_utils.task_arithmetic(tensors, w)
     if combination_type == "magnitude_prune":
