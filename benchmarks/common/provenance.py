@@ -98,3 +98,39 @@ def provenance_line(prov: dict) -> str:
     return (f"Measured at commit `{prov.get('commit', '?')}` on {prov.get('date', '?')}: {where}torch "
             f"{prov.get('torch', '?')}, {prov.get('threads', '?')} thread(s), CPU flags {flags}, peak RSS "
             f"{prov.get('peak_rss_mib', float('nan')):.0f} MiB.")
+
+
+def device_environment(device: str) -> dict:
+    """The machine behind a GPU number: compute capability, GPU memory, torch's CUDA runtime and the driver.
+
+    Every GPU result file records it (a timing means little without them, and the GPU machine's image may change).
+    On a CPU only ``cuda`` (torch's build) is known; the others are ``None``.
+
+    Args:
+        device: ``cuda`` or ``cpu``.
+    """
+    import torch
+
+    env = {"cuda": torch.version.cuda, "driver": None, "capability": None, "gpu_memory_gib": None}
+    if device != "cuda":
+        return env
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    env.update(capability=f"sm_{props.major}{props.minor}", gpu_memory_gib=round(props.total_memory / 2**30, 1))
+    try:  # torch does not expose the driver's version; nvidia-smi ships with the driver
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        env["driver"] = out.splitlines()[0].strip() or None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        pass
+    return env
+
+
+def run_provenance(device: str) -> dict:
+    """Date and commit of a run (``PEFTPLUG_COMMIT`` names it where the copy has no ``.git``) plus
+    :func:`device_environment`.
+
+    Args:
+        device: ``cuda`` or ``cpu``.
+    """
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "commit": os.environ.get("PEFTPLUG_COMMIT") or git_commit(), **device_environment(device)}

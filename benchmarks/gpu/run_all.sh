@@ -35,7 +35,8 @@ if ! "$PY" -c "import bitsandbytes" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     2>&1 | tee -a "$LOG" && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-"$PY" -c "import torch, triton, peft, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$LOG" \
+# The machine beside the numbers in the log too (each result file records it as well: benchmarks.kernels.gpu).
+"$PY" -c "import torch, triton, peft, transformers; c = torch.cuda.is_available(); print('torch', torch.__version__, 'triton', triton.__version__, 'peft', peft.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda, c, *((torch.cuda.get_device_name(), torch.cuda.get_device_capability()) if c else ()))" 2>&1 | tee -a "$LOG" \
   || { echo "missing a dependency (torch, triton, peft, transformers)" | tee -a "$LOG"; exit 3; }
 # Without bitsandbytes the block_rotate / cayley_neumann kernels are still tested and timed (its tests skip).
 SKIP_BNB=()

@@ -32,6 +32,7 @@ from pathlib import Path
 from benchmarks.common.llama import TARGETS, quantize_linears_
 from benchmarks.common.pages import read_json, render_results, write_json, write_page, write_section
 from benchmarks.common.paths import DOCS, REPO, results_dir
+from benchmarks.common.provenance import run_provenance
 from benchmarks.common.timing import lm_train_step
 
 PAGE = DOCS / "qoft.md"
@@ -308,8 +309,12 @@ def bench_training(cfg: dict, device: str, dtype, dry_run: bool):
 def render(results: dict) -> str:
     """The markdown section for docs/benchmarks/qoft.md; handles runs without bitsandbytes or training."""
     env, k = results["env"], results["config"]
+    # Date, commit, CUDA and driver: recorded since 2026-12-08 (older files lack them).
+    extra = "".join(f", {label} {env[key]}" for key, label in (("capability", "capability"), ("cuda", "CUDA"),
+                                                                  ("driver", "driver"), ("commit", "commit"),
+                                                                  ("date", "on")) if env.get(key))
     lines = ["## GPU", "", (f"Measured by `bash benchmarks/gpu/run_all.sh` on {env['device']} "
-             f"(torch {env['torch']}, triton {env['triton']}, bitsandbytes {env['bitsandbytes']}); "
+             f"(torch {env['torch']}, triton {env['triton']}, bitsandbytes {env['bitsandbytes']}{extra}); "
              f"{'DRY RUN at tiny sizes on CPU — not performance numbers' if env['dry_run'] else 'one run'}."), "",
              "| op | implementation | fwd ms | fwd+bwd ms | fwd+bwd peak MiB | max rel. error vs reference |",
              "|---|---|---|---|---|---|"]
@@ -372,14 +377,33 @@ def report(results: Path = RESULTS, page: Path = PAGE) -> bool:
     return render_results(results, render_page)
 
 
+def _nf4_rows(record: dict) -> int:
+    return sum(1 for r in record.get("kernels", []) if r.get("op", "").startswith("nf4_"))
+
+
 def merge_docs(path: Path) -> None:
     """Commits a GPU run's ``gpu_results.json`` as this study's result and renders its page section.
 
     Args:
         path: The run's ``gpu_results.json``, or the ``gpu_results.md`` beside it.
+
+    Raises:
+        ValueError: Before anything is written, for a missing or malformed file, a dry run (tiny sizes on CPU are
+            no measurement), or a run without NF4 rows (bitsandbytes missing, or cut by its time limit before them)
+            that would replace a committed run which has them: the page shows one run, so that table would vanish.
     """
     path = path.with_name("gpu_results.json") if path.suffix == ".md" else path
-    write_json(RESULTS, read_json(path) or {}, indent=2)
+    record = read_json(path)
+    if not isinstance(record, dict) or not isinstance(record.get("env"), dict) or "kernels" not in record:
+        raise ValueError(f"{path} is not a gpu_results.json of benchmarks.kernels.gpu (missing, or no env / kernels)")
+    if record["env"].get("dry_run"):
+        raise ValueError(f"{path} is a dry run (tiny sizes on CPU): only a GPU run is merged into the docs")
+    committed = read_json(RESULTS) or {}
+    if _nf4_rows(committed) and not _nf4_rows(record):
+        raise ValueError(f"{path} has no NF4 rows while the committed {RESULTS.name} "
+                         f"({committed.get('env', {}).get('device')}) has {_nf4_rows(committed)}: merging it would drop "
+                         "them from the page; rerun the kernel phase, or delete the committed file to replace it")
+    write_json(RESULTS, record, indent=2)
     report(RESULTS, PAGE)
 
 
@@ -395,7 +419,10 @@ def main(argv=None) -> dict:
                         help="without bitsandbytes: only the block_rotate and cayley_neumann kernels")
     args = parser.parse_args(argv)
     if args.merge_docs:
-        merge_docs(args.merge_docs)
+        try:
+            merge_docs(args.merge_docs)
+        except (OSError, ValueError) as err:  # a wrong file: one line, not a traceback
+            raise SystemExit(f"--merge-docs: {err}") from None
         return {}
     if args.report:
         if not report(RESULTS, PAGE):
@@ -427,7 +454,7 @@ def main(argv=None) -> dict:
     results = {"env": {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "CPU",
                        "torch": torch.__version__, "triton": triton.__version__,
                        "bitsandbytes": bnb_version, "dtype": str(dtype).replace("torch.", ""),
-                       "dry_run": args.dry_run},
+                       "dry_run": args.dry_run, **run_provenance(device)},
                "config": {k: v for k, v in cfg.items() if k != "llama"}}
     # Written after each stage, so a run cut short by its time limit still leaves what it measured.
     args.out.mkdir(parents=True, exist_ok=True)
