@@ -30,13 +30,20 @@ but PEFT 0.21.2's *unmerged* Conv2d forward computes something else for kernels 
 rotated stride-1 image patches back into an image; see ``oftv2.conv``). So a converted Conv2d adapter reproduces
 what PEFT's merged model (``merge_and_unload``) computes, which is the function its weights define; it reproduces
 PEFT's unmerged outputs only for 1 × 1 kernels. The same holds the other way: PEFT evaluates an exported k > 1
-Conv2d adapter correctly only after merging it, and cannot load adapters of non-square kernels at all (its
-Conv2d layer assumes ``kh == kw``).
+Conv2d adapter correctly only after merging it (both directions warn, naming the layers), and cannot load adapters
+of non-square kernels at all (its Conv2d layer assumes ``kh == kw``).
+
+What does not convert is refused in one ``ValueError``: on export, layers PEFT's OFT cannot load (GPT-2 ``Conv1D``;
+``Conv2d`` with groups, a non-square kernel or dilation) and ``trainable_token_indices`` (no ``OFTConfig`` field, so
+vanilla PEFT would drop the trained rows silently); on load, saved rotations whose shape OFTv2 does not build
+(grouped convs, per-layer adjusted block sizes). A PEFT adapter whose ``oft_block_size`` PEFT adjusted to one other
+size on every layer loads with that size.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from pathlib import Path
@@ -48,8 +55,10 @@ from torch import nn
 
 from peftplug.fileio import atomic_write
 from peftplug_kernels import ops
+from peftplug_kernels.cayley_neumann.reference import block_size_from_triangle
 
 from .config import OFTv2Config
+from .conv import Conv2d
 from .embedding import Embedding
 from .layer import OFTv2Layer, bound_q
 
@@ -240,6 +249,43 @@ def _series_gap(model: nn.Module, adapter_name: str) -> float:
     return gap
 
 
+def _conv_layers_beyond_1x1(model: nn.Module, adapter_name: str) -> list[str]:
+    """Names of the ``Conv2d`` layers of ``adapter_name`` with a kernel larger than 1 × 1 (see the module docstring).
+
+    Args:
+        model: A model holding OFTv2 layers.
+        adapter_name: The adapter.
+    """
+    return [name for name, module in model.named_modules()
+            if isinstance(module, Conv2d) and adapter_name in module.oftv2_Q
+            and math.prod(module.get_base_layer().kernel_size) > 1]
+
+
+def _peft_cannot_load(model: nn.Module, adapter_name: str) -> list[str]:
+    """``"<layer> (<why>)"`` for each layer of ``adapter_name`` whose rotation PEFT 0.21.2's OFT cannot load.
+
+    Args:
+        model: A model holding OFTv2 layers.
+        adapter_name: The adapter.
+    """
+    refused = []
+    for name, module in model.named_modules():
+        if not isinstance(module, OFTv2Layer) or adapter_name not in module.oftv2_Q:
+            continue
+        if getattr(module, "fan_in_fan_out", False):
+            refused.append(f"{name} (GPT-2 Conv1D: PEFT's OFT raises TypeError on it)")
+        elif isinstance(module, Conv2d):
+            base = module.get_base_layer()
+            # PEFT sizes a conv's rotation as in_channels · kh · kh and refuses dilation (its layer.py).
+            if base.groups > 1:
+                refused.append(f"{name} (groups={base.groups}: PEFT rotates all in_channels · kh · kw together)")
+            elif base.kernel_size[0] != base.kernel_size[1]:
+                refused.append(f"{name} (kernel {tuple(base.kernel_size)}: PEFT assumes a square kernel)")
+            elif base.dilation[0] > 1:
+                refused.append(f"{name} (dilation {tuple(base.dilation)}: PEFT refuses dilation > 1)")
+    return refused
+
+
 def export_peft_oft_adapter(
     peft_model: nn.Module, out_dir: str | os.PathLike, adapter_name: str = "default"
 ) -> Path:
@@ -252,6 +298,11 @@ def export_peft_oft_adapter(
 
     Returns:
         The output directory.
+
+    Raises:
+        ValueError: For an adapter that is not OFTv2, one with ``trainable_token_indices`` (PEFT's ``OFTConfig`` has
+            no such field: vanilla PEFT would load it without the trained token rows, silently), or one on layers
+            PEFT's OFT cannot load (GPT-2 ``Conv1D``; ``Conv2d`` with groups, a non-square kernel or dilation).
     """
     from peft import get_peft_model_state_dict
 
@@ -259,6 +310,25 @@ def export_peft_oft_adapter(
     if not isinstance(config, OFTv2Config):
         # A wrong adapter *choice*, not a wrong argument type: ValueError like PEFT's own adapter-name errors.
         raise ValueError(f"adapter {adapter_name!r} is not an OFTv2 adapter ({type(config).__name__})")  # noqa: TRY004
+    if config.trainable_token_indices:
+        raise ValueError(
+            f"adapter {adapter_name!r} trains token rows (trainable_token_indices), which PEFT's OFTConfig cannot "
+            "hold: vanilla PEFT would load the export without them; keep it as an OFTv2 adapter (save_pretrained)"
+        )
+    refused = _peft_cannot_load(peft_model, adapter_name)
+    if refused:
+        raise ValueError(
+            f"PEFT's OFT cannot load adapter {adapter_name!r} on {len(refused)} layer(s): {'; '.join(refused[:5])}"
+            f"{' ...' if len(refused) > 5 else ''}; exclude them (exclude_modules) or keep it as an OFTv2 adapter"
+        )
+    convs = _conv_layers_beyond_1x1(peft_model, adapter_name)
+    if convs:
+        warnings.warn(
+            f"adapter {adapter_name!r} adapts Conv2d layers with kernels larger than 1 x 1 ({', '.join(convs[:5])}): "
+            "PEFT 0.21's unmerged OFT Conv2d forward computes another function there (oftv2.conv); in PEFT, "
+            "evaluate the exported adapter after merge_and_unload()",
+            stacklevel=2,
+        )
     if (
         config.orthogonalization != "cayley"
         and oftv2_terms_to_peft(config.orthogonalization, config.neumann_terms) is None
@@ -366,6 +436,70 @@ def _check_overrides(overrides: dict) -> None:
         )
 
 
+def _saved_block_size(state: dict[str, torch.Tensor], oft_config: OFTConfig) -> int | None:
+    """The one block size of a PEFT adapter saved with ``oft_block_size`` that PEFT adjusted (``None`` if not).
+
+    PEFT moves a block size that does not divide a layer's width to the nearest divisor (with a warning) and saves
+    rotations of that size. When every layer got the same size, OFTv2 converts it with that block size.
+
+    Args:
+        state: The saved PEFT state dict.
+        oft_config: Its config.
+
+    Raises:
+        ValueError: When the layers were saved with different block sizes (OFTv2 has one per adapter).
+    """
+    if not oft_config.oft_block_size:
+        return None  # r given: block sizes differ per width by design; the shape check below judges each layer
+    sizes = {block_size_from_triangle(v.shape[-1]) for k, v in state.items()
+             if k.endswith((PEFT_KEY, PEFT_EMBEDDING_KEY))}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"PEFT adjusted oft_block_size={oft_config.oft_block_size} layer by layer to the block sizes "
+            f"{sorted(sizes)}; an OFTv2 adapter has one block size, so this adapter cannot be converted"
+        )
+    if sizes and sizes != {oft_config.oft_block_size}:
+        (size,) = sizes
+        warnings.warn(
+            f"the PEFT adapter was saved with block size {size} (PEFT adjusted oft_block_size="
+            f"{oft_config.oft_block_size}, which does not divide the widths); converting with block_size={size}",
+            stacklevel=3,
+        )
+        return size
+    return None
+
+
+def _check_shapes(peft_model: nn.Module, converted: dict[str, torch.Tensor], adapter_name: str, where: Path) -> None:
+    """Refuses (in one line) saved rotations whose shape is not what OFTv2 built for the layer.
+
+    Args:
+        peft_model: The OFTv2 ``PeftModel`` just built.
+        converted: The converted state dict (keys without the adapter name).
+        adapter_name: The adapter.
+        where: The adapter directory, for the message.
+
+    Raises:
+        ValueError: Naming the first layer that does not fit, both shapes and the likely reason.
+    """
+    from peft import get_peft_model_state_dict
+
+    expected = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
+    modules = dict(peft_model.named_modules())
+    for key, value in converted.items():
+        if not key.endswith(OFTV2_KEY) or key not in expected or expected[key].shape == value.shape:
+            continue
+        module = key[: -len(OFTV2_KEY)]
+        layer = modules.get(module)
+        if isinstance(layer, Conv2d) and layer.get_base_layer().groups > 1:
+            why = "PEFT sizes a grouped conv's rotation over all in_channels · kh · kw, OFTv2 over one group's"
+        else:
+            why = "PEFT adjusts an r or oft_block_size that does not divide a layer's width, layer by layer"
+        raise ValueError(
+            f"PEFT OFT adapter {where} does not fit this model: layer {module!r} has a saved rotation of shape "
+            f"{tuple(value.shape)} where OFTv2 builds {tuple(expected[key].shape)} ({why})"
+        )
+
+
 def load_peft_oft_adapter(
     model: nn.Module,
     adapter_dir: str | os.PathLike,
@@ -388,8 +522,9 @@ def load_peft_oft_adapter(
         The ``PeftModel`` with the OFTv2 adapter, producing the same outputs as PEFT's OFT.
 
     Raises:
-        ValueError: For an adapter that is not PEFT OFT or does not fit ``model``, and for a ``config_overrides``
-            key that is unknown or fixed by the saved adapter.
+        ValueError: For an adapter that is not PEFT OFT or does not fit ``model`` (a saved rotation of another shape
+            than OFTv2 builds, named with both shapes), and for a ``config_overrides`` key that is unknown or fixed
+            by the saved adapter.
     """
     from peft import get_peft_model, set_peft_model_state_dict
 
@@ -399,18 +534,30 @@ def load_peft_oft_adapter(
     known = set(OFTConfig.__dataclass_fields__)
     oft_config = OFTConfig(**{k: v for k, v in raw.items() if k in known and k != "peft_type"})
     config = oftv2_config_from_oft(oft_config)
+    saved_block = _saved_block_size(state, oft_config)
+    if saved_block is not None:
+        config.block_size = saved_block
     for key, value in (config_overrides or {}).items():
         setattr(config, key, value)
     config.inference_mode = not is_trainable
     config._validate()
     peft_model = get_peft_model(model, config, adapter_name=adapter_name)
     converted = state_dict_from_peft_oft(state, oft_config)
+    _check_shapes(peft_model, converted, adapter_name, adapter_dir)
     result = set_peft_model_state_dict(peft_model, converted, adapter_name=adapter_name)
     unexpected = [k for k in result.unexpected_keys if "oftv2_" in k or k in converted]
     missing = [k for k in result.missing_keys if f"oftv2_Q.{adapter_name}" in k]
     if unexpected or missing:
         raise ValueError(
             f"PEFT OFT adapter {adapter_dir} does not fit this model: unexpected {unexpected[:5]}, missing {missing[:5]}"
+        )
+    convs = _conv_layers_beyond_1x1(peft_model, adapter_name)
+    if convs:
+        warnings.warn(
+            f"PEFT OFT adapter {adapter_dir} adapts Conv2d layers with kernels larger than 1 x 1 "
+            f"({', '.join(convs[:5])}): the converted adapter computes conv(x, W_flat R^T), what PEFT's merged model "
+            "(merge_and_unload) computes; PEFT 0.21's unmerged outputs differ there (oftv2.conv)",
+            stacklevel=2,
         )
     if not is_trainable:
         peft_model.eval()
