@@ -205,6 +205,30 @@ def check_sources(adapters: list[str], names: list[str] | None) -> None:
                              "each source needs its own name")
 
 
+def check_out_dir(out: str, what: str) -> None:
+    """Refuses, before any work, an output folder that is a file or lies under a file.
+
+    ``os.makedirs`` would otherwise end the command with a ``FileExistsError``/``NotADirectoryError`` traceback.
+
+    Args:
+        out: The output folder as given.
+        what: How the command line names it (``--out``, ``out``), for the message.
+
+    Raises:
+        ConfigError: Naming the path and the file in the way.
+    """
+    from peftplug.errors import ConfigError
+
+    path = os.path.abspath(out)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{what} {out!r} is a file; give a folder to write (nothing was touched)")
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent) and parent != os.path.dirname(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{what} {out!r}: {parent!r} is a file, not a folder (nothing was touched)")
+
+
 PROG = "peftplug pct"  # also runs as python -m prompt_transfer.cli
 
 
@@ -289,6 +313,7 @@ def _run(argv: list[str]) -> int:
             names = args.names or default_source_names(args.adapters)
         except ValueError as err:
             parser.error(str(err))
+        check_out_dir(args.out, "--out")
         prompts = _load_source_prompts(names, args.adapters)
         try:  # decompose checks its arguments and the prompts' shapes before computing anything
             base_model = pt.source_base_model(dict(zip(names, args.adapters)))
@@ -304,6 +329,7 @@ def _run(argv: list[str]) -> int:
         from peftplug.checkpoints import check_adapter_dir
 
         check_adapter_dir(args.pct_adapter)
+        check_out_dir(args.out, "out")
         try:
             print(pt.export_adapter_dir(args.pct_adapter, args.out))
         except ValueError as err:  # "holds a LORA adapter, not PCT"

@@ -47,7 +47,8 @@ def export_prompt_tuning(model, out_dir: str, adapter_name: str | None = None, k
     name = adapter_name or model.active_adapter
     config = model.peft_config[name]
     if str(getattr(config.peft_type, "value", config.peft_type)) != "PCT":
-        raise ValueError(f"adapter {name!r} is a {config.peft_type} adapter, not PCT")
+        raise ValueError(f"adapter {name!r} is a {getattr(config.peft_type, 'value', config.peft_type)} adapter, "
+                         "not PCT")
     _check_export_dir(out_dir)
     state = get_peft_model_state_dict(model, adapter_name=name)
     with torch.no_grad():
@@ -177,7 +178,7 @@ def export_adapter_dir(pct_dir: str, out_dir: str, keep_pct_state: bool = True) 
 
     config = PeftConfig.from_pretrained(pct_dir)
     if str(getattr(config.peft_type, "value", config.peft_type)) != "PCT":
-        raise ValueError(f"{pct_dir} holds a {config.peft_type} adapter, not PCT")
+        raise ValueError(f"{pct_dir} holds a {getattr(config.peft_type, 'value', config.peft_type)} adapter, not PCT")
     _check_export_dir(out_dir, source_dir=pct_dir)
     state = load_peft_weights(pct_dir)
     encoder = PCTPromptEncoder(config)

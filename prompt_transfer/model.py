@@ -187,6 +187,12 @@ class PCTPromptEncoder(BasePromptEncoder):
         Anchor: the target-specific part ``T = sum a_k S_k + R``; positive: the attended source mix
         ``sum a_k S_k``; negative: ``P_0``. It keeps the residual from drifting into the task-agnostic direction and
         pushes the attention toward sources whose specific part is least redundant with ``P_0``.
+
+        Anchor and positive start near zero (uniform attention gives ``mean_k S_k``, which the SVD makes 0, and
+        ``R = 0``), so vectors are divided by at least a tenth of the sources' task-specific norm, not by their own
+        norm alone: the cosine of a near-zero vector has a ``1/|x|`` gradient (3e3 at init against 1e-5 for the
+        task, on a decomposition made without refinement), whose first Adam step made the attention one-hot within
+        ten steps and stalled the task loss. A part of ordinary size gets the plain cosine.
         """
         fus = self.embedding
         weight = self.config.contrastive_weight
@@ -194,8 +200,12 @@ class PCTPromptEncoder(BasePromptEncoder):
             return fus.p0.new_zeros(())
         mix = torch.einsum("k,kld->ld", fus.attention(), fus.specific)
         anchor = (mix + fus.residual).reshape(1, -1)
+        with torch.no_grad():  # P_0 and S_k are frozen: the floor is a constant of the adapter
+            scale = fus.specific.flatten(1).norm(dim=1).pow(2).mean().sqrt()
+            scale = torch.where(scale > 0, scale, fus.p0.norm())  # K = 1: S_1 = 0
+            eps = (0.1 * scale).clamp_min(1e-12)
         return weight * info_nce(anchor, mix.reshape(1, -1), fus.p0.reshape(1, -1),
-                                 self.config.contrastive_temperature)
+                                 self.config.contrastive_temperature, eps=eps)
 
     # ---- PEFT state-dict hooks (BasePromptEncoder) ----
 
