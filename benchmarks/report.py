@@ -3,8 +3,9 @@
 Each page (or section of a shared page) is rendered by its study's ``report`` function from the raw results under
 ``benchmarks/<study>/results/``; a section whose study has no committed result file yet is left exactly as it
 is, and the command says so (the page itself says why: its raw results were never kept, or were kept only in the
-git-ignored ``runs/``). No benchmark runs. ``--check`` regenerates into a scratch copy and exits 1 if any page
-would change, so that ``git diff`` after a plain run and ``--check`` agree.
+git-ignored ``runs/``). No benchmark runs. ``--check`` regenerates into a scratch copy of the whole ``docs/``
+folder (two studies also render a section of a method page beside docs/benchmarks/: docs/oftv2.md, docs/helene.md)
+and exits 1 if any page would change, so that ``git diff`` after a plain run and ``--check`` agree.
 
 The HELENE SmolLM2 page reads ``../shared/data`` (``PEFTPLUG_DATA_DIR``) for its majority-class column.
 """
@@ -109,12 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.check:
         print("\n".join(regenerate()))
         return 0
+    docs_root = DOCS.parent
     with tempfile.TemporaryDirectory() as tmp:
-        copy = Path(tmp) / "benchmarks"
-        shutil.copytree(DOCS, copy)
-        print("\n".join(regenerate(copy)))
-        changed = [p.name for p in sorted(DOCS.iterdir()) if p.is_file()
-                   and (copy / p.name).read_bytes() != p.read_bytes()]
+        # The whole docs/ folder: a copy of docs/benchmarks/ alone has no docs/oftv2.md or docs/helene.md beside it,
+        # so the sections rendered there were skipped and a stale one passed the check.
+        copy = Path(tmp) / docs_root.name
+        shutil.copytree(docs_root, copy)
+        print("\n".join(regenerate(copy / DOCS.relative_to(docs_root))))
+        changed = [p.relative_to(docs_root).as_posix() for p in sorted(docs_root.rglob("*")) if p.is_file()
+                   and (copy / p.relative_to(docs_root)).read_bytes() != p.read_bytes()]
     print("would change: " + (", ".join(changed) if changed else "nothing"))
     return 1 if changed else 0
 

@@ -309,7 +309,7 @@ def render(results: dict, timed: dict | None, timing_args: dict, previous: str) 
         "",
         "## Accuracy, parameters, memory",
         "",
-        "| method | lr | trainable params | held-out acc. before | after | fit time (s) | peak RSS (MB) |",
+        "| method | lr | trainable params | held-out acc. before | after | fit time (s) | peak RSS (MiB) |",
         "|---|---|---|---|---|---|---|",
     ]
     earlier = _rows_from_page(previous)
@@ -329,9 +329,14 @@ def render(results: dict, timed: dict | None, timing_args: dict, previous: str) 
     for method, r in results.items():
         if "cpu_flags" in r:
             by_flags.setdefault(", ".join(r["cpu_flags"]) or "none of them", []).append(method)
+    # Runs from before the flags were kept say so: the nf4 rows are the ones whose CPU path depends on them most.
+    unrecorded = [method for method, r in results.items() if "cpu_flags" not in r]
     if by_flags:
         recorded = "; ".join(f"{flags} ({', '.join(methods)})" for flags, methods in sorted(by_flags.items()))
-        lines += ["", f"CPU flags (of avx2, avx512f, avx512_bf16, amx_bf16) the runs recorded: {recorded}."]
+        lines += ["", f"CPU flags (of avx2, avx512f, avx512_bf16, amx_bf16) the runs recorded: {recorded}"
+                  + (f"; not recorded: {', '.join(unrecorded)}" if unrecorded else "") + "."]
+    elif unrecorded:
+        lines += ["", f"CPU flags not recorded by the runs ({', '.join(unrecorded)})."]
     if kept:
         lines += ["", (f"†: {', '.join(kept)} — kept from the previous page: an earlier run whose raw result was not "
                        "committed (rerun the method to replace the row).")]

@@ -19,7 +19,7 @@ import torch
 
 from benchmarks.common.device import lightning_device, to_device
 from benchmarks.common.pages import write_json
-from benchmarks.common.provenance import peak_rss_mib
+from benchmarks.common.provenance import cpu_flags, peak_rss_mib
 from benchmarks.helene.smollm2 import runs
 from benchmarks.helene.smollm2.runs import RunSpec
 
@@ -140,7 +140,17 @@ def main() -> None:
     args = parser.parse_args()
     runs.set_device(args.device)
     result = measure_memory(args.memory) if args.memory else measure_speed()
-    write_json(args.out, {**result, "commit": runs.git_commit(runs.CODE), "loadavg": os.getloadavg()})
+    write_json(args.out, record(result))
+
+
+def record(result: dict) -> dict:
+    """A measurement as its result file keeps it: with the commit, the load average and the CPU's flags (a CPU
+    timing means little without them: bf16 and bitsandbytes' 4-bit paths depend on AVX512-BF16).
+
+    Args:
+        result: What :func:`measure_memory` or :func:`measure_speed` returned.
+    """
+    return {**result, "commit": runs.git_commit(runs.CODE), "loadavg": os.getloadavg(), "cpu_flags": cpu_flags()}
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from pathlib import Path
 from benchmarks.common.fmt import fmt
 from benchmarks.common.pages import write_page
 from benchmarks.common.paths import DOCS, data_dir
+from benchmarks.common.provenance import CPU_FLAGS
 from benchmarks.helene.smollm2 import runs
 from benchmarks.helene.smollm2.diagnostics import projected_gradient_section
 from benchmarks.helene.smollm2.grid import (
@@ -80,9 +81,18 @@ def _speed_section() -> list[str]:
             continue
         sp = json.loads(path.read_text())
         where = sp.get("device") or f"cpu: {sp['threads']} thread(s)"
+        # Say what each number is: the step rows are medians of the steps after the first, the forward per batch
+        # the fastest of its timed calls (measure.measure_speed), and a CPU timing needs the CPU's flags beside it.
+        first = next(iter(sp["steps"].values()), [])
+        timed_steps = max(len(first) - 1, 1) if first else 0
+        flags = ("CPU flags " + (", ".join(sp["cpu_flags"]) or "none of " + ", ".join(CPU_FLAGS))
+                 if "cpu_flags" in sp else "CPU flags not recorded (measured before the file kept them)")
         lines += ["", (f"**{where}** — full-parameter steps on random token ids, {sp['length']} tokens per row; "
-                       "forward = `prompt_cls_forward` (decoder + label-word rows); medians"
-                       + (", timed with CUDA synchronisation" if where.startswith("cuda") else "") + "."), "",
+                       "forward = `prompt_cls_forward` (decoder + label-word rows); step rows: medians of "
+                       f"{timed_steps} steps after the first (which allocates the optimizer state); forward per batch "
+                       "size: the fastest of its timed calls after one untimed call"
+                       + (", timed with CUDA synchronisation" if where.startswith("cuda") else "")
+                       + (f"; {flags}" if not where.startswith("cuda") else "") + "."), "",
                   "| method | batch | step (ms) | two forwards (ms) | perturb + restore + update (ms) | share of the step |",
                   "|---|---|---|---|---|---|"]
         over = {}
