@@ -75,13 +75,17 @@ def _exact_4bit_weight(base: nn.Module, layer_name: str = "") -> Any:
 
 
 def dequantize_4bit_weight(base: nn.Module) -> torch.Tensor:
-    """The fp32 ``out × in`` weight of a ``Linear4bit`` (what its forward multiplies by).
+    """The fp32 ``out × in`` weight of a ``Linear4bit``: ``code[nibble] · absmax`` exactly, the stored format's values.
+
+    Not bitsandbytes' ``dequantize_4bit``, which rounds to the state's dtype (a bf16-loaded model's fp32-compute
+    forward multiplies by the unrounded values, so merges and exports lost ~1e-3) and, on CPU, restarts quantization
+    blocks at every row (wrong where blocks straddle rows; its quantizer and GPU kernels do not).
 
     Args:
         base: A bitsandbytes ``Linear4bit`` in the portable layout (see :mod:`peftplug.quantized_layout`).
     """
     weight = _exact_4bit_weight(base)
-    return _bnb().functional.dequantize_4bit(weight.data, weight.quant_state).float()
+    return ops.dequantize_4bit(weight.data, weight.quant_state, torch.float32).float()
 
 
 # Block scales tried by the "mse" requantization, as fractions of the block's absmax (1.0 = bitsandbytes' own).
