@@ -29,8 +29,14 @@ from peftplug.config_errors import (  # condense_argument_error, config_field: r
     ConfigFieldInstantiator,
     _exception_chain,
     _section_of,
+    check_root_dir,
+    class_path_error,
     condense_argument_error,
     config_field,
+    config_paths,
+    explain_bare_class_name,
+    read_yaml_mapping,
+    required_hint,
 )
 from peftplug.config_names import (
     check_init_args,
@@ -40,10 +46,18 @@ from peftplug.config_names import (
     suggest,
 )
 from peftplug.errors import ConfigError, PeftplugError, one_line, run_command
-from peftplug.methods import METHOD_PACKAGES, import_method_packages  # noqa: F401
 
 # Recipes may name the method packages' configs and optimizers by class_path: they are imported (their PEFT types
-# registered) before parsing. Re-exported here, their historical home.
+# registered) before parsing. `METHOD_PACKAGES` and `import_method_packages` are re-exported here, their historical
+# home, through `__getattr__` below: importing them imports PEFT (seconds), which `peftplug --help` does not need.
+_LAZY_EXPORTS = {"METHOD_PACKAGES": "peftplug.methods", "import_method_packages": "peftplug.methods"}
+
+
+def __getattr__(name: str) -> Any:
+    """The re-exports of :data:`_LAZY_EXPORTS`, imported on first use."""
+    if name in _LAZY_EXPORTS:
+        return getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 DEFAULT_ROOT_DIR = "runs"
 
@@ -130,7 +144,8 @@ def _cli_classes():
             try:
                 super().__init__(PeftModule, LightningDataModule, subclass_mode_data=True, **kwargs)
             except ArgumentError as err:  # the misspelled name, if that is it, with the closest valid one
-                raise ConfigError(suggest(condense_argument_error(str(err)), *self._names())) from err
+                message = explain_bare_class_name(suggest(condense_argument_error(str(err)), *self._names()))
+                raise ConfigError(required_hint(message, argv if isinstance(argv, list) else [])) from err
 
         def _names(self) -> tuple[list[str], list[str]]:
             """The setting keys and option strings of the parser and its subcommands' (for suggestions)."""
@@ -192,14 +207,32 @@ def _cli_classes():
                 # jsonargparse prints before it validates: parse and check without the flag first, so that what
                 # --print_config prints is a valid config (a template without required settings still prints).
                 try:
-                    super().parse_arguments(parser, [a for a in self.given_args if a not in printing])
+                    self._parse(parser, [a for a in self.given_args if a not in printing])
                 except ArgumentError as err:
                     if "required" not in str(err):
                         raise
                 else:
                     self.subcommand = self.config.get("subcommand")  # what LightningCLI sets after parsing
                     self._check_peft()
-            super().parse_arguments(parser, args)
+            self._parse(parser, args)
+
+        def _parse(self, parser: Any, args: Any) -> None:
+            """LightningCLI's parsing; a class path that cannot be imported is one line naming its field.
+
+            jsonargparse reports most of them as an ``ArgumentError``, but one that replaces the class of an earlier
+            config (a second ``--config``, ``--model.peft.class_path X`` over a recipe's) fails inside its merge as
+            a bare ``ValueError``/``AttributeError``/``ImportError``.
+            """
+            try:
+                super().parse_arguments(parser, args)
+            except (ValueError, AttributeError, ImportError) as err:
+                if isinstance(err, PeftplugError):
+                    raise
+                given = self.given_args
+                culprit = class_path_error(given, [read_yaml_mapping(p) for p in config_paths(given)])
+                if culprit is None:
+                    raise
+                raise culprit from err
 
         def _check_peft(self) -> None:
             """Reports a misspelled key in ``model.peft`` (YAML or command line) or an override whose value does
@@ -223,10 +256,12 @@ def _cli_classes():
             check_peft_spec(peft)
 
         def before_instantiate_classes(self) -> None:
-            """Builds every configured class except model and data (Lightning's) through ConfigFieldInstantiator."""
+            """Builds every configured class except model and data (Lightning's) through ConfigFieldInstantiator;
+            first refuses a ``trainer.default_root_dir`` that cannot be written (before the model loads)."""
             self._check_peft()
             section = self.subcommand
             config = (lambda: self.config[section]) if section else (lambda: self.config)
+            check_root_dir(self._get(config(), "trainer", default=None), DEFAULT_ROOT_DIR)
             self.parser.add_instantiator(ConfigFieldInstantiator(config), object, subclasses=True)
 
         def instantiate_classes(self) -> None:
@@ -351,6 +386,8 @@ def cli(args: Sequence[str] | None = None, run: bool = True, **kwargs: Any) -> A
         run: Run the subcommand; with ``False`` only parse and instantiate (``args`` then has no subcommand).
         **kwargs: Passed to ``LightningCLI``.
     """
+    from peftplug.methods import import_method_packages
+
     import_method_packages()
     # jsonargparse passes an empty LoftQConfig for LoraConfig.loftq_config, which makes PEFT warn needlessly.
     warnings.filterwarnings("ignore", message=".*loftq_config.*")
@@ -363,7 +400,8 @@ def cli(args: Sequence[str] | None = None, run: bool = True, **kwargs: Any) -> A
 
 
 def check_config_files(argv: Sequence[str]) -> None:
-    """Refuses a ``--config`` file that is not a YAML mapping (a checkpoint, a binary file, a list), naming it.
+    """Refuses a ``--config`` file that is not a YAML mapping (a checkpoint, a binary file, a list) or is another
+    program's recipe (prompt transfer's multi-source ``sources:``), naming it.
 
     jsonargparse reports a missing file itself; a binary one ends in a ``UnicodeDecodeError`` traceback there.
 
@@ -372,9 +410,7 @@ def check_config_files(argv: Sequence[str]) -> None:
     """
     import yaml
 
-    given = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
-    given += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    for name in given:
+    for name in config_paths(argv):
         path = Path(name).expanduser()
         if path.is_dir():
             raise ConfigError(f"--config {name!r} is a directory; expected a YAML recipe file")
@@ -393,6 +429,10 @@ def check_config_files(argv: Sequence[str]) -> None:
         if content is not None and not isinstance(content, dict):
             raise ConfigError(f"--config {name!r} holds a YAML {type(content).__name__}; expected a recipe mapping "
                               "(trainer:, model:, data:)")
+        if isinstance(content, dict) and "sources" in content and "data" not in content:
+            raise ConfigError(f"--config {name!r} is a multi-source prompt-transfer recipe (it lists `sources:`), "
+                              f"not a `peftplug {argv[0] if argv else 'fit'}` recipe; run it with "
+                              f"`peftplug pct train-sources --config {name}`")
 
 
 def lightning_main(argv: Sequence[str]) -> int:

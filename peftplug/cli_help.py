@@ -29,7 +29,7 @@ COMMAND_LINES: dict[str, str] = {
 FIT_IN_SHORT = """\
 peftplug fit, in short (every option is listed above; these are the ones recipes set):
   --config R.yaml                     a recipe (recipes/); several merge left to right
-  --print_config                      print the resolved, checked config and exit
+  --print_config                      print the resolved config (names and types checked) and exit
   --trainer.max_epochs N | --trainer.max_steps N
                                       the run's length (LR schedules with a null length follow it)
   --trainer.accelerator cpu|gpu --trainer.devices N
@@ -44,7 +44,8 @@ peftplug fit, in short (every option is listed above; these are the ones recipes
   --ckpt_path C | last                resume a run
   --evaluate_before_fit true --evaluate_after_fit true
                                       test on the held-out split before and after training
-One class's options: --model.peft.help oftv2.OFTv2Config (or --model.optimizer.help, --data.help). docs/cli.md."""
+One class's options: --model.peft.help oftv2.OFTv2Config (or --model.optimizer.help, --data.help). docs/cli.md.
+Then: peftplug export | generate | chat --ckpt_path C (every command: peftplug --help)."""
 
 
 def commands(extra: dict[str, str]) -> dict[str, str]:

@@ -3,12 +3,16 @@
 :func:`condense_argument_error` turns jsonargparse's nested, multi-line parse errors into one line with the field
 path; :class:`ConfigFieldInstantiator` builds the configured classes and reports a constructor's ``ValueError`` with
 the field it was configured in (``model.peft.init_args.block_size: ...``); :func:`config_field` finds that field.
+:func:`explain_bare_class_name` and :func:`class_path_error` name a class path that cannot be imported (``adamw``
+for ``torch.optim.AdamW``) with the class meant; :func:`check_root_dir` refuses a run folder that cannot be written.
 """
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from peftplug.errors import ConfigError, PeftplugError, one_line
@@ -208,4 +212,253 @@ class ConfigFieldInstantiator:
             raise ConfigError(f"{field} must be > 0; got {bad} (a zero learning rate trains nothing)")
 
 
-__all__ = ["ConfigFieldInstantiator", "condense_argument_error", "config_field"]
+def config_paths(argv: Sequence[str]) -> list[str]:
+    """The config files a LightningCLI command line gives, in order: ``--config F``, ``--config=F``, the short
+    ``-c F`` / ``-cF`` that its usage line shows, and the abbreviations argparse accepts (``--conf F``).
+
+    Args:
+        argv: The LightningCLI arguments.
+    """
+    def is_config(option: str) -> bool:
+        return option == "-c" or (len(option) >= 4 and "--config".startswith(option))
+
+    given = []
+    for i, arg in enumerate(argv):
+        option, eq, value = arg.partition("=")
+        if eq and is_config(option):
+            given.append(value)
+        elif not eq and is_config(arg) and i + 1 < len(argv):
+            given.append(argv[i + 1])
+        elif arg.startswith("-c") and not arg.startswith("--") and len(arg) > 2:
+            given.append(arg[2:])
+    return given
+
+
+def read_yaml_mapping(name: str) -> dict:
+    """A config file's content when it is a readable YAML mapping, else ``{}`` (for hints only).
+
+    Args:
+        name: The file's path.
+    """
+    import yaml
+
+    try:
+        content = yaml.safe_load(Path(name).expanduser().read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return content if isinstance(content, dict) else {}
+
+
+def required_hint(message: str, argv: Sequence[str]) -> str:
+    """Adds to jsonargparse's "the following arguments are required: fit.model.model, fit.data" the settings'
+    own names and, when no recipe was given, how to give one.
+
+    Args:
+        message: The condensed parse error.
+        argv: The LightningCLI arguments.
+    """
+    found = re.match(r"the following arguments are required: (.*)$", message)
+    if not found:
+        return message
+    names = ", ".join(re.sub(r"^(fit|validate|test|predict)\.", "", n.strip()) for n in found[1].split(","))
+    text = f"the following settings are required: {names}"
+    if not config_paths(argv):
+        text += "; give a recipe with --config R.yaml (e.g. recipes/quickstart.yaml), or set them on the command line"
+    return text
+
+
+def check_root_dir(trainer: Any, default_root: str = "runs") -> None:
+    """Refuses a ``trainer.default_root_dir`` that cannot be written, before anything is built or trained.
+
+    Lightning writes the resolved config, logs and checkpoints there (with its default logger, or none); a folder
+    without write permission or on a read-only file system was an ``OSError`` traceback from the logger, after the
+    model had loaded. A logger configured with its own folder, ``fast_dev_run`` (which writes nothing) and remote
+    paths (``s3://``) are left to Lightning.
+
+    Args:
+        trainer: The ``trainer`` section of the parsed config (``None``: nothing to check).
+        default_root: The folder used when the section sets none (the CLI's default).
+
+    Raises:
+        ConfigError: If the folder, or the nearest existing folder above it, cannot be written.
+    """
+    if trainer is None:
+        return
+    get = trainer.get if hasattr(trainer, "get") else lambda key, default=None: default
+    root = get("default_root_dir") or default_root
+    if get("fast_dev_run") or get("logger") not in (None, True, False) or "://" in str(root):
+        return
+    existing = Path(os.path.abspath(Path(str(root)).expanduser()))
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"trainer.default_root_dir: {str(root)!r} cannot be created: {str(existing)!r} is a file; "
+                          "set --trainer.default_root_dir to a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"trainer.default_root_dir: cannot write in {str(existing)!r} (permissions or a read-only "
+                          f"file system), where this run's config, logs and checkpoints go ({str(root)!r}); set "
+                          "--trainer.default_root_dir to a writable folder")
+
+
+# Where a class is looked for when a setting that takes one is given a bare name (`optimizer: adamw`): the modules,
+# in the order their classes are suggested, and the base class the suggestions must derive from.
+CLASS_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "model.peft": (("peft", "oftv2", "prompt_transfer", "steering"), ("peft.PeftConfig",)),
+    "model.optimizer": (("torch.optim", "helene"), ("torch.optim.Optimizer",)),
+    "model.lr_scheduler": (("peftplug.schedules", "torch.optim.lr_scheduler"),
+                           ("torch.optim.lr_scheduler.LRScheduler", "torch.optim.lr_scheduler.ReduceLROnPlateau")),
+    "data": (("peftplug.data",), ("lightning.pytorch.LightningDataModule",)),
+    "trainer.callbacks": (("lightning.pytorch.callbacks",), ("lightning.pytorch.callbacks.Callback",)),
+    "trainer.logger": (("lightning.pytorch.loggers",), ("lightning.pytorch.loggers.Logger",)),
+    "trainer.strategy": (("lightning.pytorch.strategies",), ("lightning.pytorch.strategies.Strategy",)),
+}
+# Names a user knows a class by that its own name does not contain (the papers' names).
+CLASS_ALIASES: dict[str, str] = {"mezo": "helene.ZOSGD", "qoft": "oftv2.OFTv2Config", "qlora": "peft.LoraConfig"}
+_BARE_NAME = re.compile(r"^(?P<field>[\w.\[\]]+): Expected a dot import path string: (?P<name>[^;\s]+)")
+
+
+def _import(dotted: str) -> Any:
+    """The module or attribute ``dotted`` names, or ``None`` when it cannot be imported."""
+    import importlib
+
+    module_name, _, attr = dotted.rpartition(".")
+    for name, rest in ((dotted, None), (module_name, attr)):
+        try:
+            found = importlib.import_module(name)
+        except ImportError:
+            continue
+        return found if rest is None else getattr(found, rest, None)
+    return None
+
+
+def class_candidates(field: str) -> list[str]:
+    """The classes a class-valued setting accepts, as full class paths (``torch.optim.AdamW``).
+
+    Args:
+        field: The setting (``model.optimizer``; ``trainer.callbacks[0]`` counts as ``trainer.callbacks``).
+
+    Returns:
+        The class paths, each class once, in :data:`CLASS_FIELDS` module order; empty for another field.
+    """
+    modules, base_names = CLASS_FIELDS.get(re.sub(r"\[\d+\]$", "", field), ((), ()))
+    bases = tuple(b for b in map(_import, base_names) if isinstance(b, type))
+    found: dict[type, str] = {}
+    for module_name in modules:
+        module = _import(module_name)
+        for name in (sorted(n for n in dir(module) if not n.startswith("_")) if module is not None else []):
+            obj = getattr(module, name, None)
+            if isinstance(obj, type) and bases and issubclass(obj, bases) and obj not in bases:
+                found.setdefault(obj, f"{module_name}.{name}")
+    return list(found.values())
+
+
+def class_hint(field: str, name: str) -> str:
+    """``"; did you mean torch.optim.AdamW?"`` for a bare class name given to a class-valued setting.
+
+    The name is compared without case, ``_``/``-`` and a ``Config`` suffix (``lora`` is ``peft.LoraConfig``), then
+    as a part of a class name (``cosine``), then by spelling (difflib); without a match, some accepted classes.
+
+    Args:
+        field: The setting (``model.optimizer``).
+        name: What was given (``adamw``).
+    """
+    candidates = class_candidates(field)
+    if not candidates:
+        return ""
+
+    def squash(text: str) -> str:
+        return re.sub(r"[^a-z0-9]", "", text.lower())
+
+    short = {c: c.rpartition(".")[2] for c in candidates}
+    key = squash(name)
+    matches = [c for c in candidates if key in (squash(short[c]), squash(short[c].removesuffix("Config")))
+               or CLASS_ALIASES.get(key) == c]
+    matches = matches or [c for c in candidates if key and key in squash(short[c])]
+    if not matches:
+        import difflib
+
+        close = difflib.get_close_matches(key, [squash(s) for s in short.values()], n=3, cutoff=0.6)
+        matches = [c for c in candidates if squash(short[c]) in close]
+    if matches:
+        return f"; did you mean {' or '.join(matches[:4])}?"
+    return f"; accepted, e.g.: {', '.join(candidates[:6])}{', ...' if len(candidates) > 6 else ''}"
+
+
+def explain_bare_class_name(message: str) -> str:
+    """Rewrites jsonargparse's ``FIELD: Expected a dot import path string: NAME`` (a class-valued setting given a
+    bare name such as ``adamw``) into one line that says what a class path is and suggests the class; other
+    messages unchanged.
+
+    Args:
+        message: A condensed one-line parse error (:func:`condense_argument_error`).
+    """
+    found = _BARE_NAME.match(message)
+    if not found:
+        return message
+    field, name = found["field"], found["name"]
+    return (f"{field}: {name!r} is not a class path (a full module.Class name is expected)"
+            f"{class_hint(field, name)}")
+
+
+def given_class_paths(argv: list[str], configs: list[Any]) -> list[tuple[str, str]]:
+    """The class paths a command line and its config files give, as ``(field, class path)``, in the order given.
+
+    Args:
+        argv: The arguments of the subcommand (``--model.peft.class_path X``, ``--model.optimizer X``, ...).
+        configs: The parsed config files (YAML mappings), in the order given.
+    """
+    found: list[tuple[str, str]] = []
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("class_path"), str):
+                found.append((path, node["class_path"]))
+            for key, value in node.items():
+                walk(value, f"{path}.{key}" if path else str(key))
+        elif isinstance(node, list):
+            for i, item in enumerate(node):
+                walk(item, f"{path}[{i}]")
+        elif isinstance(node, str) and re.sub(r"\[\d+\]$", "", path) in CLASS_FIELDS:
+            found.append((path, node))
+
+    for config in configs:
+        walk(config, "")
+    for i, arg in enumerate(argv):
+        option, eq, value = arg.partition("=")
+        if not option.startswith("--") or (not eq and i + 1 >= len(argv)):
+            continue
+        field = option[2:].removesuffix("+").removesuffix(".class_path")
+        value = value if eq else argv[i + 1]
+        # A value in YAML form (`--model.peft '{class_path: ...}'`) is left to jsonargparse's own message.
+        if (option[2:].endswith(".class_path") or field in CLASS_FIELDS) and not re.search(r"[\s{}\[\]:]", value):
+            found.append((field, value))
+    return found
+
+
+def class_path_error(argv: list[str], configs: list[Any]) -> ConfigError | None:
+    """The first given class path that cannot be imported, as a one-line error naming its field; ``None`` if all
+    can be (a bare name counts when it is a class the field accepts: jsonargparse resolves those).
+
+    Args:
+        argv: The arguments of the subcommand.
+        configs: The parsed config files.
+    """
+    from peftplug.config_names import import_class
+
+    for field, class_path in given_class_paths(argv, configs):
+        if "." not in class_path:
+            if class_path in ("null", "None") or any(c.rpartition(".")[2] == class_path
+                                                     for c in class_candidates(field)):
+                continue
+            return ConfigError(f"{field}.class_path: {class_path!r} is not a class path (a full module.Class name "
+                               f"is expected){class_hint(field, class_path)}")
+        try:
+            import_class(class_path, f"{field}.class_path")
+        except ConfigError as err:
+            return err
+    return None
+
+
+__all__ = ["CLASS_ALIASES", "CLASS_FIELDS", "ConfigFieldInstantiator", "check_root_dir", "class_candidates", "class_hint",
+           "class_path_error", "condense_argument_error", "config_field", "config_paths", "explain_bare_class_name",
+           "given_class_paths", "read_yaml_mapping", "required_hint"]
