@@ -6,7 +6,7 @@ may use what an earlier one wrote (a checkpoint, an exported adapter):
 
 - ``bash`` blocks, line by line (``\\`` continuations and quoted newlines joined, ``#`` comments dropped), in
   this process through the CLI's entry point :func:`peftplug.cli.main`: ``peftplug ARGS`` or
-  ``.venv/bin/peftplug ARGS``; ``make quickstart`` (the Makefile's command); ``NAME=$(ls GLOB | tail -1)`` and
+  ``.venv/bin/peftplug ARGS``; ``make quickstart`` (the Makefile's command); ``NAME=$(ls -t GLOB | head -1)`` and
   ``$NAME`` in later lines. ``make test`` is skipped: it is the suite this test belongs to. Every ``fit`` gets
   :data:`TINY_FIT` appended, documented flags a user would add to try a recipe quickly (a tiny model, two steps,
   a few examples); ``chat`` reads :data:`CHAT_INPUT` as typed input. Any other line fails: it is not runnable.
@@ -104,9 +104,10 @@ def run_shell(code: str, env: dict[str, str], monkeypatch) -> None:
     for words in shell_commands(code):
         words = [re.sub(r"\$(\w+)", lambda m: env[m[1]], w) for w in words]
         assignment = re.fullmatch(r"(\w+)=\$\(ls", words[0])
-        if assignment and words[2:] == ["|", "tail", "-1)"]:
-            found = sorted(glob.glob(words[1]))
-            assert found, f"{words[1]!r} matches nothing"
+        if assignment and words[1] == "-t" and words[3:] == ["|", "head", "-1)"]:
+            # The newest file, as `ls -t` sorts (by name, version_9 would come after version_14).
+            found = sorted(glob.glob(words[2]), key=os.path.getmtime)
+            assert found, f"{words[2]!r} matches nothing"
             env[assignment[1]] = found[-1]
             continue
         if words[:2] == ["make", "test"]:
