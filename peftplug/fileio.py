@@ -28,6 +28,16 @@ def usual_mode(path: str | os.PathLike, directory: bool = True) -> None:
     os.chmod(path, (0o777 if directory else 0o666) & ~umask)
 
 
+def usual_modes(root: str | os.PathLike) -> None:
+    """:func:`usual_mode` for a folder and everything in it (``safetensors`` writes its files 0600, like ``mkstemp``).
+
+    Args:
+        root: The folder.
+    """
+    for path in [Path(root), *Path(root).rglob("*")]:
+        usual_mode(path, directory=path.is_dir())
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Path:
     """Calls ``write(tmp_path)`` on a temporary file in ``path``'s directory, then renames it onto ``path``.
 
@@ -77,7 +87,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yields a staging directory beside ``path``; on success it is renamed onto ``path``, on error removed.
 
-    Readers never see a half-written directory: either the old one (or none) or the complete new one.
+    Readers never see a half-written directory: either the old one (or none) or the complete new one. The folder
+    and its contents get the umask's usual modes (:func:`usual_modes`) before the rename.
 
     Args:
         path: The directory to create.
@@ -88,9 +99,9 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterat
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} exists")
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    usual_mode(staging)
     try:
         yield staging
+        usual_modes(staging)  # an export or cached model is meant for other users and servers too
         if target.exists() and not overwrite:
             # Another process made it while this one wrote (a DDP rank, a second conversion): theirs stays, and may
             # already be in use; replacing it would leave a moment without the folder and delete files handed out.

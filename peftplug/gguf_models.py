@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from peftplug.errors import MissingFileError, one_line
-from peftplug.fileio import atomic_directory, safetensors_problem, usual_mode
+from peftplug.fileio import atomic_directory, safetensors_problem
 
 MARKER = "peftplug_conversion.json"
 
@@ -216,10 +216,6 @@ def _convert(name: str, gguf: Path, target: Path, sha256: str) -> None:
             meta = {"model": name, "package": f"{spec.distribution}=={spec.version}", "file": spec.filename,
                     "sha256": sha256, "weights": spec.source}
             (staging / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
-            # safetensors writes model.safetensors 0600: in a cache shared between users (the folder itself gets
-            # the umask's mode) no one else could load it.
-            for file in staging.iterdir():
-                usual_mode(file, directory=False)
     except OSError as err:
         # FileExistsError: another process (e.g. another DDP rank) finished the same conversion first; theirs is as
         # good. Anything else (a full disk) leaves no usable folder: say where, in one line.

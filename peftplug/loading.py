@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from peftplug.errors import ConfigError, MissingFileError, one_line
-from peftplug.fileio import usual_mode
+from peftplug.fileio import usual_modes
 from peftplug.methods import import_plugin_for
 from peftplug.optional import bitsandbytes_available
 from peftplug.quantized_layout import keep_exact_4bit_layout
@@ -111,8 +111,7 @@ def _cached_build(name: str, build: Any) -> str:
         for file in sorted(p for p in staging.rglob("*") if p.is_file()):
             digest.update(str(file.relative_to(staging)).encode() + b"\0" + file.read_bytes())
         final = root / f"{name}-{digest.hexdigest()[:16]}"
-        for path in [staging, *staging.rglob("*")]:  # the cache may be shared (safetensors writes 0600 files)
-            usual_mode(path, directory=path.is_dir())
+        usual_modes(staging)  # the cache may be shared
         if not final.is_dir():
             try:
                 os.replace(staging, final)

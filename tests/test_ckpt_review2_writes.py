@@ -112,3 +112,14 @@ def test_a_folder_made_by_another_process_meanwhile_is_not_replaced(tmp_path):
         (target / "theirs.txt").write_text("theirs")
     assert sorted(p.name for p in target.iterdir()) == ["theirs.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no staging folder left
+
+
+def test_an_exports_files_get_the_umask_mode(ckpt, tmp_path, umask_022):
+    # safetensors writes adapter_model.safetensors 0600: a server or another user could not load the export.
+    out = tmp_path / "adapter"
+    assert main(["export", "--ckpt_path", ckpt, "--output", str(out)]) == 0
+    paths = [out, *out.rglob("*")]
+    assert any(p.name == "adapter_model.safetensors" for p in paths)
+    wrong = {str(p): oct(p.stat().st_mode & 0o777) for p in paths
+             if p.stat().st_mode & 0o777 != (0o755 if p.is_dir() else 0o644)}
+    assert not wrong, wrong
