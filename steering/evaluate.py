@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from steering.easyedit_data import apply_chat_template_with_system
+from steering.padding import pad_sequences, pad_token_id
 
 Scorer = Callable[[list[str]], Sequence[float]]
 _WORD = re.compile(r"\w+|[^\w\s]")
@@ -148,13 +149,8 @@ def generate(
             chunk = list(prompts[lo:lo + batch_size])
             # Padded here, not by the tokenizer: that refuses to pad without a pad token (Llama, GPT-2 tokenizers).
             seqs = tokenizer(chunk, add_special_tokens=add_special_tokens)["input_ids"]
-            width = max(len(s) for s in seqs)
-            batch = {"input_ids": torch.full((len(seqs), width), 0 if pad_id is None else pad_id, dtype=torch.long),
-                     "attention_mask": torch.zeros((len(seqs), width), dtype=torch.long)}
-            for i, s in enumerate(seqs):  # left padding: generation continues every row from its last token
-                if s:
-                    batch["input_ids"][i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-                    batch["attention_mask"][i, width - len(s):] = 1
+            ids, mask = pad_sequences(seqs, pad_token_id(tokenizer), left=True)
+            batch, width = {"input_ids": ids, "attention_mask": mask}, ids.shape[1]
             if do_sample:
                 torch.manual_seed(seed + b)
             start = time.perf_counter()
@@ -195,12 +191,7 @@ def generation_nll(
     with unsteered(model), torch.inference_mode():
         for lo in range(0, len(new_ids), batch_size):
             seqs = [list(p) + list(g) for p, g in zip(prompt_ids[lo:lo + batch_size], new_ids[lo:lo + batch_size])]
-            width = max(len(s) for s in seqs)
-            ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, s in enumerate(seqs):  # right padding: every real token keeps its unpadded position
-                ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-                mask[i, :len(s)] = 1
+            ids, mask = pad_sequences(seqs, pad_id)  # right padding: every real token keeps its unpadded position
             logits = model(input_ids=ids.to(ref.device), attention_mask=mask.to(ref.device), use_cache=False).logits
             logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
             token_lp = logp.gather(-1, ids[:, 1:, None].to(ref.device))[..., 0].cpu()

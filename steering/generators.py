@@ -30,6 +30,7 @@ from steering.config import TRAINABLE_POSITIONS, check_trainable_positions
 from steering.easyedit_data import TokenizedPairs, caa_rows, is_rows, vector_prompt_rows
 from steering.families import find_blocks
 from steering.layer import SteeringLayer
+from steering.padding import pad_sequences, pad_token_id
 
 METHODS = ("caa", "pca_diff", "pca_center", "vector_prompt", "trainable")
 READ_POSITIONS = ("answer", "last", "mean", "second_to_last")
@@ -75,14 +76,6 @@ def _base_forward(model):
         model.train(was_training)
 
 
-def _pad_id(tokenizer) -> int:
-    for attr in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, attr, None)
-        if value is not None:
-            return int(value)
-    return 0
-
-
 def _encode(tokenizer, texts: Sequence) -> list[list[int]]:
     """Token ids per text; a text given as a list of ids is taken as it is (already tokenized)."""
     seqs = [list(t) if isinstance(t, (list, tuple)) else list(tokenizer(t)["input_ids"]) for t in texts]
@@ -90,17 +83,6 @@ def _encode(tokenizer, texts: Sequence) -> list[list[int]]:
         if not s:
             raise ValueError(f"text {t!r} encodes to no tokens")
     return seqs
-
-
-def _right_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right padding keeps every real token at its unpadded position (absolute position embeddings too)."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = 1
-    return ids.to(device), mask.to(device)
 
 
 def _device(model) -> torch.device:
@@ -170,7 +152,7 @@ def extract_activations(
             bar = tqdm(range(0, len(seqs), batch_size), desc=desc, disable=not progress, leave=False)
             for lo in bar:
                 chunk = seqs[lo:lo + batch_size]
-                ids, mask = _right_pad(chunk, _pad_id(tokenizer), device)
+                ids, mask = (t.to(device) for t in pad_sequences(chunk, pad_token_id(tokenizer)))
                 model(input_ids=ids, attention_mask=mask, use_cache=False)
                 for j, s in enumerate(chunk):
                     n = len(s)
@@ -335,7 +317,7 @@ def collate_pairs(tokenizer, pairs, device=None) -> dict[str, torch.Tensor]:
         starts = {"pos": common, "neg": common}
     batch = {}
     for key, seqs in (("pos", pos), ("neg", neg)):
-        ids, mask = _right_pad(seqs, _pad_id(tokenizer), device or "cpu")
+        ids, mask = (t.to(device or "cpu") for t in pad_sequences(seqs, pad_token_id(tokenizer)))
         answer = torch.zeros_like(mask)
         for i, s in enumerate(seqs):
             start = max(1, min(starts[key][i], len(s) - 1))
