@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from peftplug.errors import ConfigError, PeftplugError, one_line
+from peftplug.fileio import nearest_existing
 
 # Lines of a jsonargparse error that describe its own machinery, not the user's value.
 _JSONARGPARSE_NOISE = re.compile(
@@ -288,9 +289,7 @@ def check_root_dir(trainer: Any, default_root: str = "runs") -> None:
     root = get("default_root_dir") or default_root
     if get("fast_dev_run") or get("logger") not in (None, True, False) or "://" in str(root):
         return
-    existing = Path(os.path.abspath(Path(str(root)).expanduser()))
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(str(root))
     if not existing.is_dir():
         raise ConfigError(f"trainer.default_root_dir: {str(root)!r} cannot be created: {str(existing)!r} is a file; "
                           "set --trainer.default_root_dir to a folder")

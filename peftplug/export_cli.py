@@ -21,6 +21,7 @@ from typing import Any
 
 from peftplug.adapter_export import write_module_base_record
 from peftplug.errors import ConfigError, PeftplugError
+from peftplug.fileio import nearest_existing
 from peftplug.flags import underscore_flags
 
 # What a folder written by `peftplug export` (or save_pretrained) holds: only such a folder may be overwritten.
@@ -72,9 +73,7 @@ def check_writable_parent(target: Path) -> None:
     if absolute.is_dir() and os.path.ismount(absolute):
         raise ConfigError(f"--output {str(target)!r} is a mount point, which an export cannot replace (it is written "
                           "beside its target and renamed onto it); give a folder inside it (nothing was touched)")
-    parent = absolute.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    parent = nearest_existing(absolute.parent)
     if not parent.is_dir():
         raise ConfigError(f"--output {str(target)!r}: {str(parent)!r} is a file, not a folder (nothing was touched)")
     if not os.access(parent, os.W_OK | os.X_OK):

@@ -38,6 +38,19 @@ def usual_modes(root: str | os.PathLike) -> None:
         usual_mode(path, directory=path.is_dir())
 
 
+def nearest_existing(path: str | os.PathLike) -> Path:
+    """The absolute ``path`` itself if it exists, else its nearest existing ancestor: where creating ``path`` starts,
+    so what must be a writable folder for a command to write there.
+
+    Args:
+        path: A file or folder path (``~`` expanded).
+    """
+    existing = Path(os.path.abspath(Path(path).expanduser()))
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return existing
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Path:
     """Calls ``write(tmp_path)`` on a temporary file in ``path``'s directory, then renames it onto ``path``.
 

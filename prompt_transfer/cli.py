@@ -218,15 +218,14 @@ def check_out_dir(out: str, what: str) -> None:
         ConfigError: Naming the path and the file in the way.
     """
     from peftplug.errors import ConfigError
+    from peftplug.fileio import nearest_existing
 
     path = os.path.abspath(out)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{what} {out!r} is a file; give a folder to write (nothing was touched)")
-    parent = os.path.dirname(path)
-    while not os.path.exists(parent) and parent != os.path.dirname(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ConfigError(f"{what} {out!r}: {parent!r} is a file, not a folder (nothing was touched)")
+    parent = nearest_existing(os.path.dirname(path))
+    if not parent.is_dir():
+        raise ConfigError(f"{what} {out!r}: {str(parent)!r} is a file, not a folder (nothing was touched)")
 
 
 PROG = "peftplug pct"  # also runs as python -m prompt_transfer.cli
