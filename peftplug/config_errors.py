@@ -394,9 +394,18 @@ def explain_bare_class_name(message: str) -> str:
     found = _BARE_NAME.match(message)
     if not found:
         return message
-    field, name = found["field"], found["name"]
-    return (f"{field}: {name!r} is not a class path (a full module.Class name is expected)"
-            f"{class_hint(field, name)}")
+    return not_a_class_path(found["field"], found["name"])
+
+
+def not_a_class_path(field: str, name: str, suffix: str = "") -> str:
+    """The one line for a bare name given where a class path goes, with :func:`class_hint`'s suggestion.
+
+    Args:
+        field: The class-valued setting (``model.optimizer``).
+        name: What was given.
+        suffix: Appended to ``field`` in the message (``.class_path`` for a ``class_path`` key).
+    """
+    return f"{field}{suffix}: {name!r} is not a class path (a full module.Class name is expected){class_hint(field, name)}"
 
 
 def given_class_paths(argv: list[str], configs: list[Any]) -> list[tuple[str, str]]:
@@ -449,8 +458,7 @@ def class_path_error(argv: list[str], configs: list[Any]) -> ConfigError | None:
             if class_path in ("null", "None") or any(c.rpartition(".")[2] == class_path
                                                      for c in class_candidates(field)):
                 continue
-            return ConfigError(f"{field}.class_path: {class_path!r} is not a class path (a full module.Class name "
-                               f"is expected){class_hint(field, class_path)}")
+            return ConfigError(not_a_class_path(field, class_path, ".class_path"))
         try:
             import_class(class_path, f"{field}.class_path")
         except ConfigError as err:
