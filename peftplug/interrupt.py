@@ -9,7 +9,8 @@ perturbed weights) — and at that boundary, where Lightning's ``ModelCheckpoint
 ``last.ckpt`` is written into the run's checkpoint folder and the trainer stops. ``peftplug fit --config ...
 --ckpt_path last`` then resumes exactly: optimizer, LR scheduler, loops, the training loader's position
 (:mod:`peftplug.data.resumable`) and the RNG states (:mod:`peftplug.resume`). A second signal aborts at once (nothing more is written). What is lost: on Ctrl-C or
-SIGTERM nothing; on SIGKILL or a lost machine everything since the last periodic checkpoint.
+SIGTERM nothing; on SIGKILL or a lost machine everything since the last periodic checkpoint. The stop outranks the recipe's
+``min_epochs``/``min_steps``, which Lightning would otherwise enforce by training on.
 
 Under DDP the flag is all-reduced at each optimizer-step boundary (one scalar), so all ranks stop after the same
 batch and write the checkpoint together.
@@ -143,6 +144,11 @@ class GracefulInterrupt(Callback):
         for callback in checkpoints:
             callback._last_global_step_saved = trainer.global_step
             callback._last_checkpoint_saved = callback._last_checkpoint_saved or str(path)
+        # Lightning ignores should_stop until the recipe's min_epochs / min_steps are met ("Training will
+        # continue..."): the run would go on past the checkpoint it just announced. A stop the user asked for outranks
+        # the minimum (the resumed run rebuilds its trainer from the recipe, minimums included).
+        trainer.fit_loop.min_epochs = None
+        trainer.fit_loop.epoch_loop.min_steps = None
         trainer.should_stop = True
         if trainer.is_global_zero:
             print(f"peftplug: stopped at step {trainer.global_step}; checkpoint written to {path} (resume with "

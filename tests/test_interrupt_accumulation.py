@@ -32,10 +32,10 @@ class SignalAtBatch(lightning.Callback):
             os.kill(os.getpid(), signal.SIGINT)
 
 
-def _recipe(root: Path) -> Path:
+def _recipe(root: Path, **trainer) -> Path:
     return causal_recipe(
         root, ROWS, peft={"peft_type": "LORA", "r": 4, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": False},
-        trainer={"max_steps": MAX_STEPS, "accumulate_grad_batches": ACCUMULATE, "limit_val_batches": 0},
+        trainer={"max_steps": MAX_STEPS, "accumulate_grad_batches": ACCUMULATE, "limit_val_batches": 0, **trainer},
         data={"val_fraction": 0.1})
 
 
@@ -65,3 +65,14 @@ def test_signal_in_the_first_micro_batch_of_a_window_resumes_bit_for_bit(tmp_pat
     resumed = cli(["fit", "--config", str(recipe), "--ckpt_path", "last"])
     assert resumed.trainer.global_step == MAX_STEPS
     assert_same_adapter(full, resumed)
+
+
+def test_signal_stops_a_run_whose_recipe_sets_min_steps(tmp_path):
+    """Lightning ignores ``should_stop`` until ``min_steps`` is met; the run went on to ``max_steps`` after announcing
+    "stopped at step 3; checkpoint written"."""
+    recipe = _recipe(tmp_path / "cut", min_steps=MAX_STEPS)
+    cut = cli(["fit", "--config", str(recipe)], trainer_defaults={"callbacks": [SignalAtBatch(2 * ACCUMULATE)]})
+    assert cut.interrupted_by() == signal.SIGINT
+    assert cut.trainer.global_step == 3
+    saved = torch.load(tmp_path / "cut" / "runs" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 3
