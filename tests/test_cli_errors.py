@@ -453,6 +453,22 @@ def test_read_table_names_the_bad_line(tmp_path):
         assert str(raised.value) == f"data file {str(path)!r}: {expected}"
 
 
+def test_read_table_refuses_a_column_named_twice(tmp_path):
+    # pandas renames the second copy (response.1) and the first was read, silently.
+    from peftplug.data import read_table
+
+    tsv = tmp_path / "pairs.tsv"
+    tsv.write_text("prompt\tresponse\tresponse\nhi\ta\tb\n")
+    with pytest.raises(DataError) as raised:
+        read_table(str(tsv), ["prompt", "response"], text_columns=["response"])
+    assert str(raised.value) == (f"data file {str(tsv)!r}: the header names column 'response' 2 times (fields 2, 3); "
+                                 "rename or remove the extra ones (only the first would be read)")
+    # A repeated column that is not read does not matter.
+    csv_file = tmp_path / "notes.csv"
+    csv_file.write_text("\ufeffprompt,note,note,response\nhi,x,y,a\n", encoding="utf-8")
+    assert read_table(str(csv_file), ["prompt", "response"]) == {"prompt": ["hi"], "response": ["a"]}
+
+
 def test_steering_adapter_folder_is_checked(files, capsys, tmp_path):
     (tmp_path / "empty").mkdir()
     args = ["steering", "generate", "--model", "tiny:llama", "--adapter", f"{tmp_path / 'empty'}:2", "--prompt",

@@ -80,6 +80,8 @@ def read_table(path: str, columns: Sequence[str], text_columns: Sequence[str] = 
         raise DataError(f"data file {str(p)!r}: {_first_bad_record(p) or _innermost_message(err)}") from err
     finally:
         datasets.logging.set_verbosity(verbosity)
+    if p.suffix.lower() in (".csv", ".tsv"):
+        _refuse_repeated_columns(p, kwargs.get("delimiter", ","), columns)
     missing = [c for c in columns if c not in table.column_names]
     if missing:
         raise DataError(
@@ -177,6 +179,28 @@ def _first_bad_csv_row(text: str, delimiter: str) -> str | None:
     if not header:
         return "the file is empty (expected a header row)"
     return None if rows else f"the file has a header row ({', '.join(header)}) but no data rows"
+
+
+def _refuse_repeated_columns(path: Path, delimiter: str, columns: Sequence[str]) -> None:
+    """Refuses a CSV/TSV header that names a column we read more than once.
+
+    pandas renames the later copies (``response.1``) and the first one is read: a file whose columns were pasted
+    twice, or mislabelled, trains on whichever came first, silently.
+
+    Args:
+        path: The CSV/TSV file (it parsed).
+        delimiter: Its field delimiter.
+        columns: The columns read from it.
+    """
+    with path.open(encoding="utf-8-sig", newline="") as f:
+        header = next((row for row in csv.reader(f, delimiter=delimiter) if row), [])
+    for name in columns:
+        where = [str(i + 1) for i, cell in enumerate(header) if cell == name]
+        if len(where) > 1:
+            raise DataError(
+                f"data file {str(path)!r}: the header names column {name!r} {len(where)} times (fields "
+                f"{', '.join(where)}); rename or remove the extra ones (only the first would be read)"
+            )
 
 
 def _split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
