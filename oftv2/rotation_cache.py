@@ -16,6 +16,9 @@ remembers the global count of :mod:`peftplug.parameter_writes` it was filled at.
 ``param.data`` outside an optimizer step, which bypass the version counter; after such writes call
 :func:`peftplug.parameter_writes.parameters_written` (every model's caches, steering's too) or :func:`clear`. Switching a layer to training mode drops its entries. Eager only:
 under ``torch.compile`` the series is traced with the rest of the graph (dynamo cannot trace data pointers).
+
+Not inside an FSDP unit either (:func:`peftplug.parameter_writes.managed_by_fsdp`: the gathered parameters keep their
+version and may keep their address across a write to the shards; tests/oftv2/test_oftv2_cache_review2.py).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from peftplug.parameter_writes import write_count
+from peftplug.parameter_writes import managed_by_fsdp, write_count
 
 #: Where a layer keeps its entries (in ``__dict__``, not a module attribute: no state_dict entry, no buffer).
 CACHE_ATTR = "_oftv2_inference_rotations"
@@ -34,12 +37,14 @@ ENABLED = True
 
 
 def cache_usable(module: nn.Module) -> bool:
-    """Whether this forward of ``module`` may read and fill the cache (eval mode, no autograd, not compiling).
+    """Whether this forward of ``module`` may read and fill the cache (eval mode, no autograd, not compiling, not
+    managed by FSDP).
 
     Args:
         module: An OFTv2 layer, or the model the stacking hook runs on.
     """
-    return ENABLED and not module.training and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    return (ENABLED and not module.training and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and not managed_by_fsdp(module))
 
 
 def cached_rotation(layer: Any, adapter_name: str, q_param: torch.Tensor, settings: Any, plan: Any) -> torch.Tensor:

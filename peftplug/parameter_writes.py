@@ -13,6 +13,11 @@ its version counter and storage address, but two kinds of write leave both uncha
 The caches remember :func:`write_count` when they fill an entry, and an entry filled at another count is stale. A
 plain int read per lookup, so the check costs nothing per forward.
 
+Inside an FSDP unit neither key works (:func:`managed_by_fsdp`): FSDP gathers the parameters into the same tensor
+on every forward, whose version never moves, and frees its memory afterwards, so the next gather may land at the
+same address; a write to the shards (a zeroth-order perturbation, a loaded checkpoint) then looks like no write.
+The caches are not used there.
+
 A leaf module: it imports nothing of peftplug's, so every method package may use it.
 """
 
@@ -60,3 +65,17 @@ def write_count() -> int:
     if _hook is None:
         _hook = register_optimizer_step_post_hook(_count_step)
     return _count
+
+
+#: The attribute ``torch.distributed.fsdp`` (FSDP2's ``fully_shard`` and FSDP1) sets on every module it manages.
+FSDP_MANAGED_ATTR = "_is_fsdp_managed_module"
+
+
+def managed_by_fsdp(module: torch.nn.Module) -> bool:
+    """Whether FSDP manages ``module`` (its parameters are gathered per forward: a cache keyed on them is unsafe).
+
+    Args:
+        module: The module that would cache.
+    """
+    # __dict__, not getattr: a missing attribute costs nn.Module.__getattr__ a raised AttributeError per forward.
+    return bool(module.__dict__.get(FSDP_MANAGED_ATTR, False))

@@ -9,7 +9,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
 from peftplug.adapter_params import PARAM_NAME, AdapterParameterDict
-from peftplug.parameter_writes import write_count
+from peftplug.parameter_writes import managed_by_fsdp, write_count
 from steering.config import SteeringConfig
 from steering.positions import NOTHING, SteeringContext
 
@@ -226,10 +226,11 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
             hidden: The block's output hidden state.
         """
         context = self.steer_context
-        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not managed_by_fsdp(self):
             # Decoding hot path: a cached scaled vector and one fused (masked) add per adapter. Eager only: the
             # cache's validity check reads data pointers, which dynamo cannot trace, and a compiled graph gains
-            # nothing from it (the general path below computes the same adds).
+            # nothing from it (the general path below computes the same adds). Not under FSDP, whose gathered
+            # vectors keep version and address across a write to the shards.
             plan = self._add_plan(hidden.dtype)
             if plan is not None:
                 for policy, delta in plan:

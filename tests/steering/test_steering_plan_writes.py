@@ -93,3 +93,38 @@ def test_a_replaced_vector_parameter_is_seen(tiny_model):
     after = _planned(pm, ids)
     assert not torch.allclose(after, before)
     torch.testing.assert_close(after, _fresh(pm, ids), rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp2_writes_to_the_shards_are_seen_by_eval_forwards(tmp_path, tiny_model):
+    # FSDP2 gathers the vectors into the same tensor every forward (its version never moves) and frees its memory
+    # afterwards, so a later gather can land at the old address: a write to the shards between two no-grad forwards
+    # (a zeroth-order perturbation) looked like no write, and the plan of the old vectors was reused (0.14 off; when
+    # the address comes back depends on the allocator, hence a dozen perturbations).
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():
+        pytest.skip("a default process group is already initialized")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        pm = _model(tiny_model)
+        reference = copy.deepcopy(pm)  # unsharded, evaluated with autograd on: no plan
+        inner = pm.get_base_model()
+        for block in inner.model.layers:
+            fully_shard(block)
+        fully_shard(inner)
+        pm.eval()
+        ids = torch.randint(1, 50, (2, 8))
+        shards, plain = _vectors(pm), _vectors(reference)
+        assert shards and type(shards[0]).__name__ == "DTensor"
+        for delta in (0.0,) + (0.5, -0.5) * 6:
+            with torch.no_grad():
+                for p in shards + plain:
+                    p.add_(delta)
+            torch.testing.assert_close(_planned(pm, ids), _fresh(reference, ids), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, d=delta: f"after adding {d}: {m}")
+    finally:
+        dist.destroy_process_group()
