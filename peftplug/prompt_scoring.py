@@ -37,7 +37,8 @@ def label_word_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention
     For a plain causal LM (or one with a weight adapter such as LoRA/OFTv2 inside it) this runs the decoder and
     multiplies the last hidden state by the label words' rows of the LM head only. Where that shortcut would be
     wrong — prompt-learning adapters (their virtual tokens are prepended by the PEFT wrapper), an adapted LM head,
-    logit soft-capping — it falls back to the full model with ``logits_to_keep=1`` (full head, last position).
+    logit soft-capping or scaling (:data:`_HEAD_TRANSFORMS`) — it falls back to the full model with
+    ``logits_to_keep=1`` (full head, last position).
     Under prompt tuning, p-tuning and prefix tuning too, every row sees the positions of its unpadded self (the
     virtual tokens first, the text right after them), so the scores do not depend on the batch it is in.
 
@@ -53,8 +54,7 @@ def label_word_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
     shortcut = (not (wrapped and lm is model) and isinstance(head, torch.nn.Linear) and decoder is not None
-                and decoder is not lm and not hasattr(head, "base_layer")
-                and getattr(lm.config, "final_logit_softcapping", None) is None)
+                and decoder is not lm and not hasattr(head, "base_layer") and _plain_head(lm))
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
     # Positions counted over real tokens: a left-padded row then sees exactly the positions of its unpadded self
     # (RoPE would only need relative positions; absolute position embeddings need this).
@@ -70,6 +70,26 @@ def label_word_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention
     hidden = decoder(**inputs).last_hidden_state[:, -1]
     bias = None if head.bias is None else head.bias.index_select(0, word_ids)
     return F.linear(hidden, head.weight.index_select(0, word_ids), bias)
+
+
+#: Settings with which a model's forward changes the LM head's output (Gemma 2/3's soft-capping, Granite's and
+#: MiniCPM3's division, Cohere's and HyperCLOVAX's multiplication, Falcon-H1's multiplier): the shortcut would skip
+#: that step and the loss would be taken on logits off by a factor, so such a model runs its own forward.
+_HEAD_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "logit_scale", "lm_head_multiplier")
+
+
+def _plain_head(lm: torch.nn.Module) -> bool:
+    """Whether the model's logits are its LM head's output unchanged (none of :data:`_HEAD_TRANSFORMS` in effect).
+
+    Args:
+        lm: The causal LM (unwrapped).
+    """
+    config = lm.config
+    configs = [config, *([config.get_text_config()] if hasattr(config, "get_text_config") else [])]
+    owners = [*configs, lm, getattr(lm, "model", None)]  # Cohere keeps logit_scale on the model, Falcon-H1 inside
+    values = [getattr(o, name, None) for o in owners for name in _HEAD_TRANSFORMS]
+    # A tensor-valued scale (a learned one) counts as a transform too: only None or the number 1 is neutral.
+    return all(v is None or (isinstance(v, (int, float)) and v == 1) for v in values)
 
 
 def _prompt_learning_logits(model: torch.nn.Module, inputs: dict, positions: torch.Tensor) -> torch.Tensor | None:
@@ -141,11 +161,15 @@ def predict_labels(model: torch.nn.Module, batches: Iterable[dict]) -> tuple[tor
         batches: Prompt-classification batches with ``labels`` (see :func:`prompt_cls_forward`).
 
     Returns:
-        ``(predicted, labels)``, two 1-D tensors of class indices on the CPU, in the batches' order.
+        ``(predicted, labels)``, two 1-D tensors of class indices on the CPU, in the batches' order. Rows labelled
+        -100 are left out: the masked copies a sharded evaluation loader pads its last batches with
+        (:class:`peftplug.data.base.RankPaddedRows`), which would otherwise count as examples.
     """
     predicted, labels = [], []
     with torch.no_grad():
         for batch in batches:
-            predicted.append(prompt_cls_forward(model, batch).logits.argmax(-1).cpu())
-            labels.append(batch["labels"].cpu())
+            gold = batch["labels"].cpu()
+            keep = gold != -100
+            predicted.append(prompt_cls_forward(model, batch).logits.argmax(-1).cpu()[keep])
+            labels.append(gold[keep])
     return torch.cat(predicted), torch.cat(labels)

@@ -218,7 +218,9 @@ HUB_SOURCES: dict[str, HubSource] = {
     "sst-5": _sentence_task("SetFit/sst5", "SST-5 sentence level, 8,544/2,210 (LM-BFF's sizes); order unverified"),
     "mr": _sentence_task("cornell-movie-review-data/rotten_tomatoes", _SENTENCE),
     "cr": _sentence_task("SetFit/SentEval-CR", _SENTENCE),
-    "subj": _sentence_task("SetFit/subj", "SUBJ 8,000/2,000 (LM-BFF's sizes); order unverified"),
+    # SetFit's copy labels 0 objective, 1 subjective (its label_text); LM-BFF's files (SentEval's) the reverse.
+    "subj": _sentence_task("SetFit/subj", "SUBJ 8,000/2,000 (LM-BFF's sizes); order unverified; the hub's 0 "
+                           "objective / 1 subjective mapped to LM-BFF's 1 / 0", labels={0: "1", 1: "0"}),
     "trec": _sentence_task("CogComp/trec", "TREC 5,452/500; the hub's ABBR ENTY DESC HUM LOC NUM mapped to "
                            "LM-BFF's DESC ENTY ABBR HUM LOC NUM", label_column="coarse_label",
                            labels={0: "2", 1: "1", 2: "0", 3: "3", 4: "4", 5: "5"}),

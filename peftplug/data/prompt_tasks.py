@@ -78,14 +78,16 @@ PROMPT_TASKS: dict[str, PromptTask] = {
     ),
     "subj": PromptTask("subj", "subj", ".csv", {"sentence": 1}, 0, ("0", "1"),
                        PromptTemplate("{sentence} This is {answer}", ("subjective", "objective")),
-                       PromptTemplate("{sentence}\nIs this text subjective or objective?{answer}",
-                                      ("subjective", "objective"))),
+                       # Chat: a yes/no question, as "subjective" (no leading space) is two SmolLM2 tokens.
+                       PromptTemplate("{sentence}\nIs this text subjective (an opinion)? Yes or No?{answer}",
+                                      ("Yes", "No"))),
     "trec": PromptTask(
         "trec", "trec", ".csv", {"sentence": 1}, 0, ("0", "1", "2", "3", "4", "5"),
         PromptTemplate("Question: {sentence}\nAnswer type: {answer}",
                        ("description", "entity", "abbreviation", "human", "location", "number")),
-        PromptTemplate("Question: {sentence}\nIs the answer a description, entity, abbreviation, human, location "
-                       "or number?{answer}", ("description", "entity", "abbreviation", "human", "location", "number")),
+        # Chat: LM-BFF's own word for ABBR, "expression" ("abbreviation" with no leading space is three SmolLM2 tokens).
+        PromptTemplate("Question: {sentence}\nIs the answer a description, entity, expression, human, location "
+                       "or number?{answer}", ("description", "entity", "expression", "human", "location", "number")),
     ),
 }
 
@@ -97,7 +99,8 @@ _NO_YES = ("No", "Yes")
 #: mask between the two sentences (``<s1> ? [MASK] , <s2>``), which a causal LM cannot score, so the pair tasks take
 #: MeZO's OPT templates where MeZO has one (CB's for MNLI, RTE's question form for QNLI, BoolQ's
 #: ``<passage> <question>?\n``) and the same "question + Yes or No?" form otherwise (QQP, MRPC). CoLA keeps LM-BFF's
-#: ``<sentence> This is [MASK].`` without the final period. Every label word is one SmolLM2 token (tested).
+#: ``<sentence> This is [MASK].`` without the final period. Every label word of every task, plain and chat, is one
+#: SmolLM2 token (tested).
 PROMPT_TASKS.update({
     "mnli": PromptTask(
         "mnli", "MNLI", ".tsv", {"premise": "sentence1", "hypothesis": "sentence2"}, "gold_label",

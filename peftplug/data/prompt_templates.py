@@ -60,16 +60,25 @@ def split_template(text: str) -> tuple[str, bool]:
     return before, False
 
 
+#: What a label word is tokenized after when the answer slot follows a field directly (``{sentence} {answer}``): a
+#: stand-in for the field's last character. Alone, a SentencePiece tokenizer would mark the word as a text's start
+#: (``" great"`` is ``["▁", "▁great"]``, ``"great"`` is ``["▁great"]``), which is not the token the prompt continues with.
+FIELD_END = "."
+
+
 def answer_context(text: str) -> str:
     """The template's literal text right before the answer slot (after its last field, without the space that
-    moves into the label word): what a label word is tokenized after (:func:`label_word_ids`).
+    moves into the label word): what a label word is tokenized after (:func:`label_word_ids`); :data:`FIELD_END`
+    where the slot follows a field directly, ``""`` where the template is the slot alone.
 
     Args:
         text: A template ending in ``{answer}``.
     """
     before, _ = split_template(text)
     parts = list(string.Formatter().parse(before))
-    return "" if not parts or parts[-1][1] is not None else parts[-1][0]
+    if not parts:
+        return ""
+    return FIELD_END if parts[-1][1] is not None else parts[-1][0]
 
 
 def _word_pieces(tokenizer: Any, context: str, text: str) -> list[int]:
@@ -190,5 +199,9 @@ def render_prompt(tokenizer: Any, template: str, example: dict[str, str], fmt: s
         if len(ids) <= max_length:
             return ids
         if keep == 0:
-            raise DataError(f"the template alone takes {len(ids)} tokens > data.max_length={max_length}")
+            # Only the first field is cut: say which fields still fill the prompt, not just "the template".
+            others = [n for n in dict.fromkeys(names) if n != first]
+            held = f", with {others} and {first!r} emptied," if others else f", with {first!r} emptied,"
+            raise DataError(f"the template alone{held} takes {len(ids)} tokens > data.max_length={max_length} "
+                            f"(only the first field, {first!r}, is cut to fit)")
         keep = max(0, keep - max(1, len(ids) - max_length))
