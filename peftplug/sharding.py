@@ -78,8 +78,13 @@ def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     """
     base = _transformers_model(model)
     blocks = _block_classes(base)
-    units = [m for m in base.modules() if type(m).__name__ in blocks and m is not base]
-    return units + [base]
+    units = [(name, m) for name, m in base.named_modules() if type(m).__name__ in blocks and m is not base]
+    # fully_shard must reach a unit before any unit around it (an outer unit takes every parameter not yet
+    # sharded, and sharding the inner one afterwards fails inside FSDP2). Some models list a class nested in
+    # another listed one (Idefics2: Idefics2MLP inside Idefics2PerceiverLayer); modules() yields the outer first,
+    # so deeper names go first. The sort is stable: same-depth blocks keep the model's order.
+    units.sort(key=lambda item: -item[0].count("."))
+    return [m for _, m in units] + [base]
 
 
 def mixed_precision_policy(name: str) -> Any:
