@@ -95,6 +95,18 @@ class EvaluationSums:
             self._accumulate(f"{stage}_gen_correct", torch.tensor(float(correct), device=self.device))
             self._accumulate(f"{stage}_gen_count", torch.tensor(float(len(pairs)), device=self.device))
 
+    def _log_reduced(self, name: str, value: torch.Tensor) -> None:
+        """Logs a dataset-level value that every rank already holds (computed from sums reduced across ranks).
+
+        ``sync_dist`` with ``max``: the max of equal values is exact (a mean would divide a sum by the world size,
+        off by an ulp), and Lightning no longer warns that an epoch-level value under DDP should be synced.
+
+        Args:
+            name: The metric's name.
+            value: Its value, equal on every rank.
+        """
+        self.log(name, value, prog_bar=True, sync_dist=True, reduce_fx="max")
+
     def _log_epoch_metrics(self, stage: str) -> torch.Tensor | None:
         """Logs exact dataset-level loss and metric (sums reduced across ranks, then divided); returns the loss
         (``None`` when the stage saw no rows)."""
@@ -105,12 +117,12 @@ class EvaluationSums:
         if count is None or count.item() == 0:
             return None
         loss = sums[f"{stage}_loss_sum"] / count
-        self.log(f"{stage}_loss", loss, prog_bar=True)
+        self._log_reduced(f"{stage}_loss", loss)
         if self.task in CLASSIFICATION_TASKS:
-            self.log(f"{stage}_acc", sums[f"{stage}_correct"] / count, prog_bar=True)
+            self._log_reduced(f"{stage}_acc", sums[f"{stage}_correct"] / count)
             return loss
-        self.log(f"{stage}_ppl", torch.exp(loss.clamp(max=80.0)), prog_bar=True)
+        self._log_reduced(f"{stage}_ppl", torch.exp(loss.clamp(max=80.0)))
         generated = sums.get(f"{stage}_gen_count")
         if generated is not None and generated.item() > 0:
-            self.log(f"{stage}_acc", sums[f"{stage}_gen_correct"] / generated, prog_bar=True)
+            self._log_reduced(f"{stage}_acc", sums[f"{stage}_gen_correct"] / generated)
         return loss

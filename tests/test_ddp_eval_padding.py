@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import warnings
 
 import lightning as L
 import pytest
@@ -128,9 +129,13 @@ def _validate(module: PeftModule, data: L.LightningDataModule, name: str, device
     seen = SeenRows()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[seen])
-    trainer.validate(module, datamodule=data, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.validate(module, datamodule=data, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    return {"metrics": metrics, "rows": seen.rows, "padding": seen.padding, "batches": seen.batches}
+    sync_warnings = [str(w.message) for w in caught if "sync_dist" in str(w.message)]
+    return {"metrics": metrics, "rows": seen.rows, "padding": seen.padding, "batches": seen.batches,
+            "sync_warnings": sync_warnings}
 
 
 def _rank_main(rank: int, root: str, port: int) -> None:
@@ -177,6 +182,12 @@ def test_two_process_validation_equals_one_process(runs, name):
     assert ranks[0]["padding"] + ranks[1]["padding"] == 1
     assert sorted(ranks[0]["rows"] + ranks[1]["rows"]) == sorted(reference["rows"])
     assert len(reference["rows"]) == ROWS and reference["padding"] == 0
+
+
+def test_reduced_metrics_raise_no_sync_dist_warning(runs):
+    # The metrics are already reduced across ranks; Lightning (on rank 0) told users to add sync_dist=True to them.
+    _, ranks = runs
+    assert {name: result["sync_warnings"] for name, result in ranks[0].items() if result["sync_warnings"]} == {}
 
 
 def test_chat_answer_accuracy_counts_real_answers_only(runs):
