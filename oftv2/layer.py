@@ -31,6 +31,7 @@ from peftplug_kernels.cayley_rotate.function import compute_dtype
 from peftplug_kernels.cayley_rotate.reference import drop_blocks
 from peftplug_kernels.cayley_rotate.stacked import rotate_by
 
+from .activation_checkpoint import inside_activation_checkpoint
 from .config import OFTv2Config
 from .dispatch import KernelPlan, plan_kernels
 from .merge_order import merged_weight
@@ -372,6 +373,8 @@ class OFTv2Layer(BaseTunerLayer):
         # read first so that a compiled graph guards on it: dynamo does not guard module hooks, and a graph traced
         # before stack_rotations (or for another model) must not be reused once the hooks exist.
         stacked = self.__dict__.get(STACKED_ATTR) if self.oftv2_stacking else None
+        if stacked and inside_activation_checkpoint(stacked):
+            stacked = None
         # Eval mode without autograd (validation, generate): blocks computed once, then only the rotation. (Not for
         # float64 inputs, whose series the Function computes in float64 whatever the parameters' dtype.)
         cached = x.dtype != torch.float64 and cache_usable(self)

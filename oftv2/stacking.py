@@ -14,7 +14,9 @@ dropout. The others, and every layer called outside the hooked model's forward, 
 before: the results are the same either way (tests/oftv2/test_oftv2_stacking.py).
 
 Not stacked (the hook computes nothing) while gradient checkpointing is on (a recomputed layer must repeat the ops of
-its first forward) or when the adapter parameters are sharded (FSDP2 gathers them layer by layer).
+its first forward) or when the adapter parameters are sharded (FSDP2 gathers them layer by layer). Layers inside a
+checkpoint the hook cannot see (a hand-placed ``torch.utils.checkpoint``, ``checkpoint_wrapper``) compute their own
+series (:mod:`oftv2.activation_checkpoint`).
 """
 
 from __future__ import annotations

@@ -144,6 +144,33 @@ def test_gradient_checkpointing_turns_stacking_off(tiny_model, tokens, calls):
     assert handle.active()
 
 
+def _checkpoint_decoder_layers(model, reentrant):
+    """Wraps each decoder layer's forward in ``torch.utils.checkpoint`` by hand (as ``checkpoint_wrapper`` does),
+    which transformers' ``gradient_checkpointing`` flag does not show."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.get_base_model().model.layers:
+        def forward(hidden_states, _inner=layer.forward, **kwargs):
+            return checkpoint(functools.partial(_inner, **kwargs), hidden_states, use_reentrant=reentrant)
+        layer.forward = forward
+    model.enable_input_require_grads()  # (a reentrant checkpoint needs an input that requires grad)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_hand_placed_activation_checkpoints_give_the_per_layer_gradients(tiny_model, tokens, reentrant):
+    # The recomputation in backward comes after the hook dropped the stacked blocks, so the layers inside a
+    # checkpointed region compute their own series in the first forward too. Before, a non-reentrant checkpoint
+    # stopped with "Recomputed values ... different metadata" (the first forward had only rotated).
+    config = oftv2.OFTv2Config(block_size=8, target_modules=["q_proj", "v_proj"])
+    plain, stacked, handle = _llama_pair(tiny_model, config)
+    for model in (plain, stacked):
+        _checkpoint_decoder_layers(model, reentrant)
+    assert handle.active()  # the hook cannot see these checkpoints
+    _assert_same_step(plain, stacked, tokens)
+
+
 def test_disabled_adapters_and_remove(tiny_model, tokens, calls):
     config = oftv2.OFTv2Config(block_size=8, target_modules=["q_proj"])
     plain, stacked, handle = _llama_pair(tiny_model, config)
