@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from typing import Any
 
 from peftplug.adapter_export import BASE_RECORD, read_base_record
-from peftplug.errors import ConfigError
+from peftplug.errors import CheckpointError, ConfigError
+from peftplug.quantized_layout import keep_exact_4bit_layout
 
 
 def _base_settings(path: str | os.PathLike, quantization: str | None, dtype: str | None) -> tuple[str, str]:
@@ -39,6 +41,130 @@ def _base_settings(path: str | os.PathLike, quantization: str | None, dtype: str
                       f"loading it with {asked} as asked, which is another model than the trained one (leave them "
                       "out to load the recorded base)", UserWarning, stacklevel=3)
     return quantization or record["quantization"], dtype or record["dtype"]
+
+
+def _built_settings(model: Any) -> dict[str, str | None]:
+    """The ``quantization`` and ``dtype`` a built model has, in :func:`peftplug.loading.load_model`'s terms (a value
+    that cannot be told is ``None``): the 4-bit layers' type and compute dtype, else the weights' dtype."""
+    import sys
+
+    import torch
+
+    from peftplug.loading import DTYPES
+    from peftplug.quantized_layout import four_bit_layers
+
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    for _, layer in four_bit_layers(model):
+        quant_type = getattr(layer.weight, "quant_type", None)
+        return {"quantization": quant_type if quant_type in ("nf4", "fp4") else None,
+                "dtype": names.get(getattr(layer, "compute_dtype", None))}
+    bnb = sys.modules.get("bitsandbytes.nn")
+    if bnb is not None and any(isinstance(m, bnb.Linear8bitLt) for m in model.modules()):
+        return {"quantization": "int8", "dtype": None}  # its other weights are cast to float32 whatever was asked
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return {"quantization": "none", "dtype": names.get(dtype) if isinstance(dtype, torch.dtype) else None}
+
+
+def _check_built_base(path: str | os.PathLike, model: Any) -> None:
+    """Warns when a built model is quantized or typed otherwise than the folder's record says the adapter was
+    trained on, as :func:`_base_settings` does for a model name loaded with other settings."""
+    try:
+        record = read_base_record(path)
+    except CheckpointError:
+        return  # not needed to load onto a built model; a model name reports it
+    if record is None:
+        return
+    have = _built_settings(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    differing = [f for f in ("quantization", "dtype") if have[f] is not None and have[f] != record[f]]
+    if differing:
+        recorded = ", ".join(f"{field}={record[field]!r}" for field in differing)
+        found = ", ".join(f"{field}={have[field]!r}" for field in differing)
+        warnings.warn(f"adapter {str(path)!r} was trained on {record['model']!r} with {recorded} (its {BASE_RECORD}); "
+                      f"the model given has {found}, another model than the trained one (pass the model name to "
+                      "load the recorded base)", UserWarning, stacklevel=3)
+
+
+#: How ``PeftModel.from_pretrained`` words its warning about adapter tensors the file did not hold.
+_MISSING_WARNING = "Found missing adapter keys while loading the checkpoint: "
+#: torch's ``load_state_dict`` line for one tensor of another shape than the model's.
+_SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from "
+                            r"checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)")
+
+
+def _size_mismatch_error(err: RuntimeError, path: str | os.PathLike, config: dict) -> CheckpointError | None:
+    """The one-line error for torch's multi-line size-mismatch report, or ``None`` for another ``RuntimeError``.
+
+    Args:
+        err: What ``load_state_dict`` raised.
+        path: The adapter folder.
+        config: Its ``adapter_config.json``.
+    """
+    mismatches = _SIZE_MISMATCH.findall(str(err))
+    if not mismatches:
+        return None
+    key, saved, here = mismatches[0]
+    more = f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""
+    base = config.get("base_model_name_or_path")
+    origin = f"it was saved from base model {base!r}" if base else "it was saved from another base model"
+    return CheckpointError(f"adapter {str(path)!r} does not fit this model: {key} is {saved} in the adapter but "
+                           f"{here} here{more}; {origin}, load it onto that one")
+
+
+def _adapter_keys(peft_model: Any, peft_type: str, adapter_name: str) -> set[str]:
+    """The model's state-dict keys of adapter ``adapter_name`` that PEFT expects in the file (its own filter: the
+    tuner's parameter prefix, e.g. ``lora_``), or an empty set for a type PEFT names no prefix for."""
+    from peft.peft_model import PEFT_TYPE_TO_PREFIX_MAPPING
+
+    prefix = PEFT_TYPE_TO_PREFIX_MAPPING.get(peft_type)
+    if not prefix:
+        return set()
+    named = (f".{adapter_name}.", f".{adapter_name}")
+    return {k for k in peft_model.state_dict() if prefix in k and (named[0] in k or k.endswith(named[1]))}
+
+
+def _file_keys(path: str | os.PathLike) -> list[str] | None:
+    """The tensor names in an adapter folder's ``adapter_model.safetensors`` (its header only), or ``None`` for a
+    folder with pickled ``adapter_model.bin`` weights instead."""
+    from safetensors import safe_open
+
+    weights = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(weights):
+        return None
+    with safe_open(weights, "pt") as file:
+        return sorted(file.keys())
+
+
+def _refuse_nothing_loaded(peft_model: Any, peft_type: str, adapter_name: str, path: str | os.PathLike,
+                           missing: list[str] | None = None, key_mapping: Any = None) -> None:
+    """Raises when not one of the adapter's tensors can have come from its file: the model would carry a freshly
+    initialised adapter (an identity rotation, a zero vector, a random LoRA) where PEFT only warns.
+
+    Either PEFT's own list of missing keys says so, or the file holds no tensor named with the tuner's prefix at all
+    (``oftv2_``, ``lora_``: PEFT maps a file's keys onto the model by module path and keeps the parameter names,
+    so such a file has nothing this adapter could load: the weights of another adapter type, or an empty file).
+
+    Args:
+        peft_model: The ``PeftModel`` the adapter was loaded into.
+        peft_type: The adapter's type.
+        adapter_name: Its name there.
+        path: The adapter folder.
+        missing: The adapter keys PEFT reported missing, where known.
+        key_mapping: ``from_pretrained``'s ``key_mapping``; with one, the file's names are the caller's business.
+    """
+    from peft.peft_model import PEFT_TYPE_TO_PREFIX_MAPPING
+
+    prefix = PEFT_TYPE_TO_PREFIX_MAPPING.get(peft_type)
+    expected = _adapter_keys(peft_model, peft_type, adapter_name)
+    if not prefix or not expected:
+        return
+    keys = _file_keys(path)
+    no_prefix = key_mapping is None and keys is not None and not any(prefix in key for key in keys)
+    if not no_prefix and (missing is None or not expected <= set(missing)):
+        return
+    held = "" if keys is None else f" (it holds {len(keys)} tensor(s){', e.g. ' + keys[0] if keys else ''})"
+    raise CheckpointError(f"adapter {str(path)!r}: none of the {len(expected)} {peft_type} tensors this model expects "
+                          f"(e.g. {min(expected)}) is in its weights file{held}; the weights are of another "
+                          "adapter type or model, or the file is damaged")
 
 
 def adapter_peft_type(path: str | os.PathLike) -> tuple[str, dict]:
@@ -76,7 +202,10 @@ def load_adapter(
     Args:
         model: The base model (a ``torch.nn.Module``), or a model name resolved like a recipe's
             (:func:`peftplug.loading.load_model`; e.g. ``"smollm2-135m-instruct"``, the packaged copy of the
-            ``HuggingFaceTB/SmolLM2-135M-Instruct`` that adapters of it record), loaded for the adapter's task.
+            ``HuggingFaceTB/SmolLM2-135M-Instruct`` that adapters of it record), loaded for the adapter's task; or
+            a ``PeftModel``, to which the adapter is added under ``adapter_name`` (PEFT's ``load_adapter``: it
+            stays inactive until ``set_adapter``), and which is returned. A built model's 4-bit layers are kept in
+            their exact layout (:func:`peftplug.quantized_layout.keep_exact_4bit_layout`).
         path: The adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
         adapter_name: Name the adapter gets in the ``PeftModel``.
         is_trainable: Load it for further training (default: inference mode, as PEFT).
@@ -96,14 +225,20 @@ def load_adapter(
     Raises:
         MissingFileError, CheckpointError: If ``path`` is not a complete adapter folder, or (with a model name) its
             ``peftplug_base.json`` is damaged or foreign (see :func:`peftplug.adapter_export.read_base_record`).
+        CheckpointError: If a tensor of the adapter has another shape than the model's (another base: one line
+            naming the first tensor, both shapes and the recorded base), or the weights file holds none of the
+            adapter's tensors (another adapter type's weights, an empty file); some missing only warn, as in PEFT.
+        peftplug.quantized_layout.RepackedWeightError: If a built model's 4-bit weights were already repacked by
+            an eval forward on an AVX512-BF16 CPU (their exact values are lost).
         peftplug.registry.UnregisteredAdapterError: If neither PEFT nor peftplug provides the adapter's type (one
             line naming the types peftplug provides).
         ConfigError: If ``model`` is neither a module nor a name, the adapter's task has no peftplug task, or
             ``quantization`` / ``dtype`` is not an accepted value, or other than ``none`` / ``float32`` with a built
-            ``model``.
+            ``model``, or a ``PeftModel`` already has an adapter named ``adapter_name``.
 
     Warns:
-        UserWarning: If a given ``quantization`` or ``dtype`` differs from the folder's record (naming both).
+        UserWarning: If a given ``quantization`` or ``dtype``, or a built model's, differs from the folder's record
+            (naming both).
     """
     import torch
     from peft import PeftModel
@@ -136,7 +271,60 @@ def load_adapter(
         model = load_model(str(model), tasks[task_type], quantization, dtype, num_labels=num_labels)
     elif not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module or a model name; got {type(model).__name__}")
-    return PeftModel.from_pretrained(model, str(path), adapter_name=adapter_name, is_trainable=is_trainable, **kwargs)
+    else:
+        # A model built by the caller: bitsandbytes would repack its 4-bit weights at the first eval forward on
+        # AVX512-BF16 CPUs (scales rounded to bf16: logits ~3e-3 off the trained model), and one an earlier forward
+        # repacked has lost its exact weights; load_model protects the models it loads the same way.
+        keep_exact_4bit_layout(model)
+        _check_built_base(path, model)
+    if isinstance(model, PeftModel):
+        return _into_peft_model(model, path, peft_type, config, adapter_name, is_trainable, kwargs)
+    try:
+        peft_model = PeftModel.from_pretrained(model, str(path), adapter_name=adapter_name, is_trainable=is_trainable,
+                                               **kwargs)
+    except RuntimeError as err:
+        mismatch = _size_mismatch_error(err, path, config)
+        if mismatch is None:
+            raise
+        raise mismatch from None
+    _refuse_nothing_loaded(peft_model, peft_type, adapter_name, path, key_mapping=kwargs.get("key_mapping"))
+    return peft_model
+
+
+def _into_peft_model(model: Any, path: str | os.PathLike, peft_type: str, config: dict, adapter_name: str,
+                     is_trainable: bool, kwargs: dict) -> Any:
+    """Adds a saved adapter to a ``PeftModel`` as PEFT does (``model.load_adapter``); returns the same model.
+
+    ``PeftModel.from_pretrained`` on a ``PeftModel`` nests it in a second one, whose keys no file holds: the
+    adapter came back freshly initialised, with only a warning.
+
+    Args:
+        model: The ``PeftModel``.
+        path: The adapter folder.
+        peft_type: Its type.
+        config: Its ``adapter_config.json``.
+        adapter_name: The name the new adapter gets.
+        is_trainable: Load it for further training (else frozen, as PEFT).
+        kwargs: Passed to ``PeftModel.load_adapter``.
+    """
+    if adapter_name in model.peft_config:
+        raise ConfigError(f"model already has an adapter named {adapter_name!r} (it has "
+                          f"{', '.join(map(repr, model.peft_config))}); pass another adapter_name to add "
+                          f"{str(path)!r} beside it")
+    try:
+        result = model.load_adapter(str(path), adapter_name=adapter_name, is_trainable=is_trainable, **kwargs)
+    except RuntimeError as err:
+        mismatch = _size_mismatch_error(err, path, config)
+        if mismatch is None:
+            raise
+        raise mismatch from None
+    # PEFT filters the missing keys by `adapter_name in key`, which a short name ("b") matches in every key.
+    own = _adapter_keys(model, peft_type, adapter_name)
+    missing = [key for key in result.missing_keys if key in own]
+    _refuse_nothing_loaded(model, peft_type, adapter_name, path, missing, kwargs.get("key_mapping"))
+    if missing:  # from_pretrained warns about these; load_adapter only returns them, and this function the model
+        warnings.warn(f"{_MISSING_WARNING}{missing}.", UserWarning, stacklevel=3)
+    return model
 
 
 __all__ = ["adapter_peft_type", "load_adapter"]
