@@ -4,6 +4,11 @@
 (PEFT >= 0.19) computes it: the rotation sits on the layer's *output*, since a token id has no vector to rotate.
 Merge: ``E ← E R₁ … Rₙ`` (every row rotated); unmerge by the exact inverse, as for Linear.
 
+With ``max_norm`` the bound applies to the rotated vectors, ``renorm(E[ids] R)``, which is what the merged table
+computes (``F.embedding`` rescales rows of ``E R`` in place). Bounding ``E[ids]`` and rotating afterwards (the base
+layer's lookup, as PEFT's OFT does) gives another result unless the norm is rotation-invariant: ``norm_type`` other
+than 2, or a Neumann ``R`` that is only nearly orthogonal, made the merged model differ from the unmerged one.
+
 An embedding tied to an output head (``tie_word_embeddings``) shares its weight with that head, so merging
 rotates the head's weight too; PEFT's OFT behaves the same. Keep such models unmerged or untie them first.
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import OFTv2Config
@@ -44,8 +50,34 @@ class Embedding(OFTv2Module):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.adapters_bypassed():
             return self.base_layer(x, *args, **kwargs)
+        # (Only around the plain nn.Embedding: a wrapper in between would be bypassed by the lookup done here.)
+        if self.get_base_layer().max_norm is not None and self.base_layer is self.get_base_layer():
+            return self._bounded_forward(x)
         # rotate_input rotates the last dimension by the active adapters: here the looked-up vectors.
         return self.rotate_input(self.base_layer(x, *args, **kwargs))
+
+    def _bounded_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``renorm(E[ids] R)`` for a base with ``max_norm``: what the merged table computes.
+
+        Like ``F.embedding``, vectors whose ``norm_type``-norm exceeds ``max_norm`` are scaled by
+        ``max_norm / (norm + 1e-7)`` (no gradient through the scale) and the table rows are rescaled in place, here
+        the rows of ``E`` by the same factor, so that ``E R`` stays the table a merged layer would hold.
+
+        Args:
+            x: Token ids.
+        """
+        base = self.get_base_layer()
+        rows = F.embedding(x, base.weight, base.padding_idx, None, base.norm_type, base.scale_grad_by_freq, base.sparse)
+        out = self.rotate_input(rows)
+        with torch.no_grad():
+            norms = torch.linalg.vector_norm(out.float(), ord=base.norm_type, dim=-1, keepdim=True)
+            over = norms > base.max_norm
+            scale = torch.where(over, base.max_norm / (norms + 1e-7), torch.ones_like(norms))
+            # Every looked-up row is written back (unbounded ones unchanged, repeated ids with equal values): no
+            # data-dependent branch or shape.
+            scaled = (rows * scale.to(rows.dtype)).reshape(-1, rows.shape[-1]).to(base.weight.dtype)
+            base.weight.index_copy_(0, x.reshape(-1), scaled)
+        return out * scale.to(out.dtype)
 
     def __repr__(self) -> str:
         return "oftv2." + super().__repr__()
