@@ -87,9 +87,9 @@ class Generator:
         """Token ids of a conversation ending in the assistant's turn (or of raw text).
 
         The chat template is applied by the encoder training uses (:func:`peftplug.data.conversations.
-        encode_conversation`), so a prompt is the very token sequence a trained prompt was: contents tokenized
-        apart from the template's text and trimmed where the template trims. A template that encoder cannot split
-        (training refuses it) is rendered and tokenized whole.
+        encode_conversation`), so a prompt is the very token sequence a trained prompt was: context contents
+        tokenized with the template's text before them and trimmed where the template trims. A template that encoder
+        cannot split, or that rewrites a content (training refuses both), is rendered and tokenized whole.
 
         Args:
             messages: ``[{"role": "user" | "assistant", "content": ...}, ...]`` without the system message.

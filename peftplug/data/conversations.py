@@ -25,7 +25,11 @@ tokens right after it up to and including the end-of-turn token (:func:`turn_end
 -100. A
 conversation longer than ``max_length`` loses whole earlier exchanges (a user turn and the answers after it), oldest
 first, the system turn kept; when the last exchange alone is too long, the last user turn is cut from its end; when
-even that leaves it no token, the row is an error.
+even that leaves it no token, the row is an error. Context turns (system, user, weight-0 answers) are tokenized
+together with the template's text before them, so the tokens are those of the whole rendering; answers are tokenized
+after the assistant header, as the model generates them. A template that rewrites a content (DeepSeek-R1's drops
+``<think>`` blocks from answers) is found by rendering the real conversation, and the row is an error: its tokens and
+loss cannot be told apart.
 """
 
 from __future__ import annotations
@@ -197,11 +201,12 @@ def _render(tokenizer: Any, messages: list[dict], roles: tuple[str, ...], **kwar
 
 @functools.lru_cache(maxsize=256)
 def _template_split(tokenizer: Any, template: str, roles: tuple[str, ...]) -> tuple[tuple[tuple[int, ...], ...],
-                                                                                    tuple[tuple[bool, bool], ...]]:
+                                                                                    tuple[tuple[bool, bool], ...],
+                                                                                    tuple[str, ...]]:
     """The template's own token ids around the contents of a conversation with these roles (``len(roles) + 1``
-    pieces, piece ``i`` before content ``i``, the last after the last content), and whether the template strips
-    each content's (start, end). ``template`` is part of the cache key only (a tokenizer's template can be
-    replaced)."""
+    pieces, piece ``i`` before content ``i``, the last after the last content), whether the template strips
+    each content's (start, end), and the pieces' text. ``template`` is part of the cache key only (a tokenizer's
+    template can be replaced)."""
     messages = [{"role": role, "content": _PAD + _placeholder(i) + _PAD} for i, role in enumerate(roles)]
     full = _render(tokenizer, messages, roles)
     texts, strips, rest = [], [], full
@@ -222,7 +227,7 @@ def _template_split(tokenizer: Any, template: str, roles: tuple[str, ...]) -> tu
         # Templates that render the prompt differently with and without the answer cannot be split exactly.
         raise ConfigError("data: the chat template renders the prompt differently with and without the answer")
     pieces = tuple(tuple(_token_ids(tokenizer, text)) for text in texts)
-    return pieces, tuple(strips)
+    return pieces, tuple(strips), tuple(texts)
 
 
 def template_pieces(tokenizer: Any, roles: tuple[str, ...]) -> list[list[int]]:
@@ -249,6 +254,50 @@ def content_strips(tokenizer: Any, roles: tuple[str, ...]) -> list[tuple[bool, b
         roles: The conversation's roles, in order (the last must be ``assistant``).
     """
     return list(_template_split(tokenizer, _template_of(tokenizer), tuple(roles))[1])
+
+
+def _check_rendering(tokenizer: Any, turns: list[Turn], generation_only: bool) -> None:
+    """Checks that the template renders these turns as their own text between its pieces.
+
+    The pieces are taken from a rendering with placeholder contents, so a template that rewrites a real content
+    (DeepSeek-R1's and Qwen3's drop ``<think>`` blocks from answers, Qwen3's ``lstrip('\\n')``) would otherwise
+    be trained on text it never renders, and the loss would cover tokens the model is never shown.
+
+    Args:
+        tokenizer: A tokenizer with a chat template.
+        turns: The conversation to encode (after dropping exchanges, before any cut).
+        generation_only: Check only the generation prompt before the last answer.
+
+    Raises:
+        DataError: When training (the caller names the row).
+        ConfigError: For a generation prompt (`peftplug generate` then renders the conversation whole).
+    """
+    roles = tuple(t.role for t in turns)
+    split = _template_split(tokenizer, _template_of(tokenizer), roles)
+    strips, texts = split[1], split[2]
+    shown = turns[:-1] if generation_only else turns
+    segments: list[tuple[str, Turn | None]] = []
+    for i, turn in enumerate(shown):
+        segments += [(texts[i], None), (_strip(turn.content, strips[i]), turn)]
+    segments.append((texts[len(turns) - 1] if generation_only else texts[-1], None))
+    expected = "".join(text for text, _ in segments)
+    messages = [{"role": t.role, "content": t.content} for t in shown]
+    rendered = _render(tokenizer, messages, roles[: len(shown)], add_generation_prompt=generation_only)
+    if rendered == expected:
+        return
+    differs = next((n for n, (a, b) in enumerate(zip(rendered, expected)) if a != b), min(len(rendered),
+                                                                                        len(expected)))
+    position, near = 0, shown[-1]
+    for text, turn in segments:
+        if turn is not None:
+            near = turn
+        if position + len(text) > differs:
+            break
+        position += len(text)
+    message = (f"the chat template renders the {near.role} turn {one_line(near.content, 40)!r} differently from "
+               "its text (templates that drop <think> blocks from answers do this), so its tokens and loss cannot be "
+               "told apart; give the content as the template renders it")
+    raise (ConfigError if generation_only else DataError)(message)
 
 
 def _template_of(tokenizer: Any) -> str:
@@ -320,6 +369,19 @@ def _length(pieces: list[list[int]], contents: list[list[int]], end: list[int], 
     return total if generation_only else total + len(contents[-1]) + len(end)
 
 
+def _with_piece(piece: list[int], joint: list[int]) -> tuple[list[int], list[int]]:
+    """A context turn's (template piece, content) ids from the ids of both tokenized together.
+
+    Tokenized apart, a content starting with whitespace is split where a whole rendering merges it with the
+    template's newline before it (SmolLM2: ``"\\n  x"`` is ``ĊĠ Ġx`` whole, ``Ċ Ġ Ġx`` apart), so the prompts would
+    not be the tokens ``apply_chat_template`` and inference servers give. The merged tokens count as content (they
+    carry no loss; a cut user turn loses them last). Answers stay tokenized apart: the generation prompt ends with
+    the template's header tokens, and the model answers after them.
+    """
+    n = _common_prefix(piece, joint)
+    return piece[:n], joint[n:]
+
+
 def _exchange_starts(turns: list[Turn]) -> list[int]:
     """Where each exchange begins: the first turn after the system turn, and every user turn."""
     first = 1 if turns[0].role == "system" else 0
@@ -338,8 +400,10 @@ def encode_conversation(tokenizer: Any, turns: list[Turn], max_length: int,
             limit applies to that prompt.
 
     Raises:
-        DataError: If the last exchange cannot fit ``max_length`` even with its user turn cut to one token.
-        ConfigError: If the tokenizer has no usable chat template.
+        DataError: If the last exchange cannot fit ``max_length`` even with its user turn cut to one token, or the
+            template renders a content otherwise than its text.
+        ConfigError: If the tokenizer has no usable chat template (or, with ``generation_only``, the template renders
+            a content otherwise than its text).
     """
     tokenized: dict[str, list[int]] = {}
 
@@ -353,15 +417,24 @@ def encode_conversation(tokenizer: Any, turns: list[Turn], max_length: int,
     for start in starts:
         kept = turns[:keep_system] + turns[start:]
         roles = tuple(t.role for t in kept)
-        pieces = template_pieces(tokenizer, roles)
-        # As the template renders them: trimmed where it trims (else training sees whitespace generation never does).
-        kept_contents = [content_ids(_strip(t.content, strip))
-                         for t, strip in zip(kept, content_strips(tokenizer, roles))]
+        split = _template_split(tokenizer, _template_of(tokenizer), roles)
+        pieces, strips, texts = [list(piece) for piece in split[0]], split[1], split[2]
+        kept_contents = []
+        for i, (turn, strip) in enumerate(zip(kept, strips)):
+            # As the template renders it: trimmed where it trims (else training sees whitespace generation never does).
+            text = _strip(turn.content, strip)
+            if turn.trained:
+                kept_contents.append(content_ids(text))
+            else:  # context: tokenized with the template's text before it, as a whole rendering is
+                pieces[i], ids = _with_piece(pieces[i], content_ids(texts[i] + text))
+                kept_contents.append(ids)
         end = turn_end(tokenizer, pieces[-1])
         length = _length(pieces, kept_contents, end, generation_only)
         if length <= max_length:
+            _check_rendering(tokenizer, kept, generation_only)
             break
     else:
+        _check_rendering(tokenizer, kept, generation_only)
         # The last exchange alone is too long: cut its user turn from the end, as a prompt/response prompt is cut.
         user = keep_system if kept[keep_system].role == "user" else None
         fixed = length - (len(kept_contents[user]) if user is not None else 0)
