@@ -143,18 +143,17 @@ class FZOO(ZerothOrderOptimizer):
         return torch.tensor(center, dtype=torch.float32)
 
     # -------------------------------------------------------------------------------------------- state
-    def state_dict(self) -> dict:
-        """The base state plus the σ = 0 skip counter."""
-        sd = super().state_dict()
-        sd["zeroth_order"]["skipped_zero_std"] = self.skipped_zero_std
-        return sd
+    def zeroth_order_state(self) -> dict:
+        """The base entry plus the σ = 0 skip counter."""
+        zo = super().zeroth_order_state()
+        zo["skipped_zero_std"] = self.skipped_zero_std
+        return zo
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restores a :meth:`state_dict`.
+    def load_zeroth_order_state(self, zo: dict) -> None:
+        """Restores a :meth:`zeroth_order_state`.
 
         Args:
-            state_dict: Output of :meth:`state_dict` of an FZOO over the same parameters.
+            zo: The saved entry of an FZOO over the same parameters.
         """
-        skipped = state_dict.get("zeroth_order", {}).get("skipped_zero_std", 0)
-        super().load_state_dict(state_dict)
-        self.skipped_zero_std = int(skipped)
+        super().load_zeroth_order_state(zo)
+        self.skipped_zero_std = int(zo.get("skipped_zero_std", 0))

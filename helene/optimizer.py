@@ -19,8 +19,26 @@ from helene.zo import ZerothOrderOptimizer, check_betas, check_int, check_real, 
 CLIP_MODES = ("layer", "coordinate", "none")
 #: What divides HELENE's momentum: the EMA of a diagonal Hessian estimate (the paper), or one scale-free scalar.
 PRECONDITIONERS = ("hessian", "scalar", "scalar_global")
+#: Estimators whose h can be 0 or negative: with clip="layer" the floor λ is all that keeps the denominator > 0.
+_SIGNLESS = ("none", "curvature", "curvature_layer")
 _AUTO_HORIZON_FRACTION = 0.1  # anneal_horizon="auto": T = 10% of the run's total steps
 _FALLBACK_HORIZON = 1000.0
+
+
+def _per_tensor_zero(w: torch.Tensor) -> torch.Tensor:
+    """The fp32 zero a per-tensor estimate's EMA starts from: 0-dim, or for an FSDP2 shard one float per shard.
+
+    A shard's estimate is its own (the mean over the local shard), so it is kept as a DTensor of one element per
+    mesh coordinate: torch's FSDP2 optimizer state dict then saves and restores every rank's value (a plain 0-dim
+    tensor would be saved from rank 0 and loaded into every rank).
+    """
+    if not is_dtensor(w):
+        return torch.zeros((), dtype=torch.float32, device=w.device)
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = w.device_mesh
+    local = torch.zeros((1,) * mesh.ndim, dtype=torch.float32, device=w.device)
+    return DTensor.from_local(local, mesh, [Shard(i) for i in range(mesh.ndim)], run_check=False)
 
 
 def _as_pair(betas):
@@ -89,13 +107,22 @@ class ZOAdam(ZerothOrderOptimizer):
         check_betas(group["betas"])
         check_real("adam_eps", group["adam_eps"], low_open=True)
 
+    def _init_state(self, group: dict) -> None:
+        """Adam's moments m and v, fp32 zeros like each trainable parameter's master (or the parameter).
+
+        Args:
+            group: A param group.
+        """
+        for p in group["params"]:
+            if p.requires_grad and "exp_avg" not in self.state[p]:
+                w = self.state[p].get("master", p)
+                self.state[p]["exp_avg"] = torch.zeros_like(w, dtype=torch.float32)
+                self.state[p]["exp_avg_sq"] = torch.zeros_like(w, dtype=torch.float32)
+
     def _apply_update(self, seed, projected, loss_plus, loss_minus, center):
         t = self.update_count + 1
         for group, p, w, z in self._restored(seed):
             st = self.state[p]
-            if "exp_avg" not in st:
-                st["exp_avg"] = torch.zeros_like(w, dtype=torch.float32)
-                st["exp_avg_sq"] = torch.zeros_like(w, dtype=torch.float32)
             m, v = st["exp_avg"], st["exp_avg_sq"]
             b1, b2 = group["betas"]
             lr, wd = group["lr"], group["weight_decay"]
@@ -255,7 +282,11 @@ class Helene(ZerothOrderOptimizer):
         if preconditioner != "hessian" and hessian is not None:
             raise ValueError(f"hessian={hessian!r} applies only to preconditioner='hessian'; with "
                              f"preconditioner={preconditioner!r} leave hessian unset (None)")
+        if hessian == "none" and clip == "none":
+            raise ValueError("clip='none' with hessian='none' divides the momentum by 1e-12 (h ≡ 0); use clip='layer' "
+                             "with lam > 0 (the annealing-only ablation) or clip='coordinate'")
         self.preconditioner = preconditioner
+        self.clip = clip  # read by _check_group, which also checks the defaults before torch's __init__
         self.bias_correction = bool(bias_correction)
         self.estimator = get_estimator("agnb" if hessian is None else hessian) if preconditioner == "hessian" else None
         if self.estimator is not None and self.estimator.needs_center and perturbation == "rademacher":
@@ -271,7 +302,6 @@ class Helene(ZerothOrderOptimizer):
         self.hessian_interval = int(hessian_interval)
         self.anneal = bool(anneal)
         self.anneal_horizon = anneal_horizon
-        self.clip = clip
         self.rho = float(rho)
         self.batch_size = int(batch_size)
         self.total_steps: int | None = None
@@ -293,6 +323,27 @@ class Helene(ZerothOrderOptimizer):
                 f"lam (clipping floor λ) must be a finite real number >= 0, got {lam!r}: a mapping or function of "
                 "layer names needs layerwise='tensor' or 'block'")
         check_real("lam (clipping floor λ)", lam)
+        if lam == 0 and self.clip == "layer" and self.estimator is not None and self.estimator.name in _SIGNLESS:
+            raise ValueError(f"lam (clipping floor λ) must be > 0 with hessian={self.estimator.name!r} and clip='layer': "
+                             "its h can be 0 or negative, and the floor is then the whole denominator")
+
+    def _init_state(self, group: dict) -> None:
+        """The momentum m (and, for ``preconditioner="hessian"``, h), fp32 zeros like each trainable parameter's
+        master (or the parameter); a per-tensor estimator's h is one 0-dim float.
+
+        Args:
+            group: A param group.
+        """
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            st = self.state[p]
+            w = st.get("master", p)
+            if "exp_avg" not in st:
+                st["exp_avg"] = torch.zeros_like(w, dtype=torch.float32)
+            if self.preconditioner == "hessian" and "hessian" not in st:
+                st["hessian"] = (_per_tensor_zero(w) if self.estimator.per_tensor
+                                 else torch.zeros_like(w, dtype=torch.float32))  # (a DTensor for an FSDP2 shard)
 
     def _group_added(self, group: dict) -> None:
         """Gives a new group its own scalar second moment (``preconditioner="scalar"``), starting from 0.
@@ -348,11 +399,9 @@ class Helene(ZerothOrderOptimizer):
         refresh = self._refresh_hessian()
         for group, p, w, z in self._restored(seed):
             st = self.state[p]
-            if "exp_avg" not in st:
-                st["exp_avg"] = torch.zeros_like(w, dtype=torch.float32)
-                st["hessian"] = (torch.zeros((), dtype=torch.float32, device=w.device) if self.estimator.per_tensor
-                                 else torch.zeros_like(w, dtype=torch.float32))  # (a DTensor for an FSDP2 shard)
             m, h = st["exp_avg"], st["hessian"]
+            if self.estimator.per_tensor and is_dtensor(h):
+                h = h.to_local().view(())  # this shard's float, a view: the in-place EMA below updates the state
             b1, b2 = group["betas"]
             if refresh:
                 # A per-tensor estimate of an FSDP2 shard is the mean over this rank's shard (a plain scalar): a
@@ -395,10 +444,7 @@ class Helene(ZerothOrderOptimizer):
             scales.append(group["gamma"] * math.sqrt(s))
         index = {id(g): i for i, g in enumerate(self.param_groups)}
         for group, p, w, z in self._restored(seed):
-            st = self.state[p]
-            if "exp_avg" not in st:
-                st["exp_avg"] = torch.zeros_like(w, dtype=torch.float32)
-            m = st["exp_avg"]
+            m = self.state[p]["exp_avg"]
             b1 = group["betas"][0]
             m.mul_(b1).add_(z, alpha=self.alpha(t, b1) * projected)
             lr, wd = group["lr"], group["weight_decay"]
@@ -412,26 +458,25 @@ class Helene(ZerothOrderOptimizer):
             else:
                 w.add_(m, alpha=-lr / denom)
 
-    def state_dict(self) -> dict:
-        """Adds the Helene-specific total steps (T must not change on resume) and scalar moments to the base state."""
-        sd = super().state_dict()
-        sd["zeroth_order"]["total_steps"] = self.total_steps
-        sd["zeroth_order"]["second_moment"] = list(self.second_moment)
-        return sd
+    def zeroth_order_state(self) -> dict:
+        """Adds the Helene-specific total steps (T must not change on resume) and scalar moments to the base entry."""
+        zo = super().zeroth_order_state()
+        zo["total_steps"] = self.total_steps
+        zo["second_moment"] = list(self.second_moment)
+        return zo
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restores a :meth:`state_dict`.
+    def load_zeroth_order_state(self, zo: dict) -> None:
+        """Restores a :meth:`zeroth_order_state`.
 
         Args:
-            state_dict: Output of :meth:`state_dict`.
+            zo: The saved entry.
         """
-        zo = state_dict.get("zeroth_order", {})
         total, moments = zo.get("total_steps"), zo.get("second_moment")
-        super().load_state_dict(state_dict)
+        if moments is not None and len(moments) != len(self.second_moment):
+            raise ValueError(f"state_dict has {len(moments)} scalar second moments, this optimizer "
+                             f"(preconditioner={self.preconditioner!r}) keeps {len(self.second_moment)}")
+        super().load_zeroth_order_state(zo)
         if total is not None:
             self.total_steps = int(total)
         if moments is not None:
-            if len(moments) != len(self.second_moment):
-                raise ValueError(f"state_dict has {len(moments)} scalar second moments, this optimizer "
-                                 f"(preconditioner={self.preconditioner!r}) keeps {len(self.second_moment)}")
             self.second_moment = [float(v) for v in moments]

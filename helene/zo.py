@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from helene.zo_state import ZerothOrderState, is_dtensor
+from peftplug.errors import ConfigError
 from peftplug.validation import check_int
 from peftplug.validation import check_real as _check_real
 
@@ -47,11 +49,6 @@ def _sign_table(device: torch.device) -> torch.Tensor:
         bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
         table = _SIGN_TABLES[device] = (bits * 2 - 1).to(device=device, dtype=torch.float32)
     return table
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a ``DTensor`` (an FSDP2 shard), without importing torch.distributed when unused."""
-    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
 def shard_seed(seed: int, position: int, coordinate: list[int] | None) -> int:
@@ -134,7 +131,7 @@ def _dist_initialized() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-class ZerothOrderOptimizer(Optimizer):
+class ZerothOrderOptimizer(ZerothOrderState, Optimizer):
     """Base class: perturb, evaluate, restore and hand ``(c, z)`` to the subclass's update rule.
 
     ``step(closure)`` calls ``closure()`` (which must return the scalar batch loss and must not call
@@ -146,6 +143,10 @@ class ZerothOrderOptimizer(Optimizer):
 
     ``add_param_group`` works as at construction: the group's options are validated (same ValueErrors), masters
     are made for its parameters and per-group state (HELENE's scalar second moment) starts at 0.
+
+    Per-parameter state tensors (moments; zeros) are made with the group, not at the first step: torch's
+    ``set_optimizer_state_dict`` (FSDP2 resume) initialises an optimizer without state by a closure-less step,
+    and loads into the state tensors it finds (each rank's shard). The numbers are the same either way.
 
     Args:
         params: Parameters or parameter groups (see :func:`helene.groups.layerwise_param_groups`). Parameters
@@ -219,8 +220,16 @@ class ZerothOrderOptimizer(Optimizer):
             group: The group just appended to ``param_groups``.
         """
 
+    def _init_state(self, group: dict) -> None:
+        """Hook: makes the per-parameter state tensors the update keeps, for the group's trainable parameters that
+        lack them (after their masters exist: state is shaped and placed like the weights the update changes).
+
+        Args:
+            group: A param group.
+        """
+
     def add_param_group(self, param_group: dict) -> None:
-        """Adds a param group as at construction: options validated, masters made, per-group state added.
+        """Adds a param group as at construction: options validated, masters and state made, per-group state added.
 
         Args:
             param_group: ``{"params": ..., **options}``; options it leaves out are taken from the defaults.
@@ -235,6 +244,7 @@ class ZerothOrderOptimizer(Optimizer):
             self.param_groups.pop()
             raise
         self._init_masters(group)
+        self._init_state(group)
         self._group_added(group)
 
     def _trainable(self) -> Iterator[tuple[dict, torch.Tensor]]:
@@ -274,14 +284,20 @@ class ZerothOrderOptimizer(Optimizer):
         recorded after each step, flags a write; the values are then compared, and a parameter still equal to its
         master's rounding keeps the more precise master (so that a resume stays bit-exact). Also moves a master
         to its parameter's device (``model.to(device)`` after building the optimizer), makes the masters a
-        parameter that became trainable or half-precision needs, and refuses, as at construction, a half-precision
-        parameter that ``master_weights=False`` would perturb in place.
+        parameter that became trainable or half-precision needs (and their state tensors), moves state tensors to
+        their parameter's device, and refuses, as at construction, a half-precision parameter that
+        ``master_weights=False`` would perturb in place.
         """
         for group in self.param_groups:
             self._check_dtypes(group)
             self._init_masters(group)
+            self._init_state(group)
         for _, p in self._trainable():
             st = self.state[p]
+            if not is_dtensor(p):  # state made (eagerly) before model.to(device) follows its parameter
+                for key, value in st.items():
+                    if isinstance(value, torch.Tensor) and value.device != p.device:
+                        st[key] = value.to(p.device)
             master = st.get("master")
             if master is None or self._master_versions.get(id(p)) == p._version:
                 continue
@@ -307,7 +323,17 @@ class ZerothOrderOptimizer(Optimizer):
             closure: The loss closure (``None`` is refused).
         """
         if closure is None:
+            trainable = [p for _, p in self._trainable()]
+            if trainable and not self.state and all(p.grad is not None for p in trainable):
+                # torch.distributed.checkpoint's get/set_optimizer_state_dict: an optimizer without state gets zero
+                # gradients and a closure-less step to make it; one keeping no per-parameter tensor cannot be
+                # loaded that way at all (it finds no device to load onto).
+                raise ConfigError(
+                    f"{type(self).__name__} keeps no per-parameter state here (no master weights), which torch's "
+                    "FSDP2 optimizer state dict (Lightning's ModelParallelStrategy checkpoints, --ckpt_path) cannot "
+                    "restore; pass master_weights=True (also to the run that saves, for an exact resume)")
             raise ValueError("zeroth-order optimizers need a closure that returns the batch loss")
+        self.check_zeroth_order_loaded()
         self._sync_masters()
         try:
             return body(closure)
@@ -513,46 +539,3 @@ class ZerothOrderOptimizer(Optimizer):
         """
         self._undo(seed, offsets)
         self._seed_gen.set_state(generator_state)
-
-    # -------------------------------------------------------------------------------------------- state
-    def state_dict(self) -> dict:
-        """The torch state (per-parameter tensors, groups) plus step counters and the generator state."""
-        sd = super().state_dict()
-        sd["zeroth_order"] = {
-            "step_count": self.step_count, "update_count": self.update_count,
-            "skipped_nonfinite": self.skipped_nonfinite, "forward_passes": self.forward_passes, "seed": self.seed,
-            "generator_state": self._seed_gen.get_state(),
-        }
-        return sd
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restores :meth:`state_dict`'s output, so that the next step equals the uninterrupted run's.
-
-        Args:
-            state_dict: A dict from :meth:`state_dict` of an optimizer with the same parameter layout.
-        """
-        state_dict = dict(state_dict)
-        zo = state_dict.pop("zeroth_order", None)
-        if zo is None:
-            raise ValueError("state_dict has no 'zeroth_order' entry: it was not saved by a zeroth-order "
-                             f"optimizer (keys: {sorted(state_dict)})")
-        saved_state = state_dict.get("state", {})
-        saved_ids = [i for g in state_dict.get("param_groups", []) for i in g["params"]]
-        super().load_state_dict(state_dict)
-        self.step_count = int(zo["step_count"])
-        self.update_count = int(zo["update_count"])
-        self.skipped_nonfinite = int(zo["skipped_nonfinite"])
-        # Checkpoints written before the counter existed: two closure calls a step (exact unless a curvature
-        # estimator added centre passes).
-        self.forward_passes = int(zo.get("forward_passes", 2 * self.step_count))
-        self.seed = int(zo["seed"])
-        # A CPU generator takes a CPU state; a trainer may have moved the whole dict to the accelerator.
-        self._seed_gen.set_state(zo["generator_state"].to("cpu"))
-        self._master_versions = {}  # masters replaced: the next step compares them with the parameters
-        # torch casts loaded state to each parameter's dtype; fp32 masters and moments of fp16/bf16 parameters
-        # must keep their saved fp32 values bit for bit, so they are put back from the saved dict.
-        params = [p for g in self.param_groups for p in g["params"]]
-        for idx, p in zip(saved_ids, params):
-            for key, value in saved_state.get(idx, {}).items():
-                if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
-                    self.state[p][key] = value.to(device=p.device, copy=True)

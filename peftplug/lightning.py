@@ -465,6 +465,11 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
         checkpoint[RNG_KEY] = rng_state()
         if is_sharded(self.model):
             name_optimizer_states(checkpoint.get("optimizer_states", []), self)
+            # torch's FSDP2 optimizer state dict keeps only "state" and "param_groups": a zeroth-order optimizer's
+            # step counters and seed generator go back in, so the saved state is its whole state_dict() (as DDP's).
+            for optimizer, state in zip(self.trainer.strategy.optimizers, checkpoint.get("optimizer_states", [])):
+                if state and hasattr(optimizer, "zeroth_order_state"):
+                    state["zeroth_order"] = optimizer.zeroth_order_state()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Checks that an adapter-only checkpoint fits this model; ``load_state_dict`` then restores it.
@@ -477,6 +482,12 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
         """
         # Applied when training starts (after sanity checks and setup), not now: nothing in between may draw.
         self._rng_to_restore = checkpoint.get(RNG_KEY)
+        if self._trainer is not None and is_sharded(self.model):
+            # ModelParallelStrategy loaded the optimizers through torch's set_optimizer_state_dict, which passes
+            # on "state" and "param_groups" only; a zeroth-order optimizer refuses to step until the rest is back.
+            for optimizer, state in zip(self.trainer.strategy.optimizers, checkpoint.get("optimizer_states", [])):
+                if isinstance(state, dict) and "zeroth_order" in state and hasattr(optimizer, "zeroth_order_state"):
+                    optimizer.load_zeroth_order_state(state["zeroth_order"])
         meta = checkpoint.get(CHECKPOINT_KEY)
         if meta is None:
             return  # a full checkpoint (e.g. from another module) loads strictly as usual

@@ -162,3 +162,18 @@ def test_fzoo_update_has_no_one_over_eps_and_follows_the_written_out_probes():
         torch.testing.assert_close(w.detach().double(), expected, rtol=0, atol=1e-6)
         steps.append(w.detach().double() - w0.double())
     torch.testing.assert_close(steps[0], steps[1], rtol=1e-4, atol=1e-6)
+
+
+
+@pytest.mark.parametrize("kwargs", [{"hessian": "none", "clip": "none"}, {"hessian": "none", "lam": 0.0},
+                                    {"hessian": "curvature", "lam": 0.0}, {"hessian": "curvature_layer", "lam": 0.0}],
+                         ids=["none-noclip", "none-lam0", "curv-lam0", "curvlayer-lam0"])
+def test_a_denominator_left_to_1e_12_is_refused(kwargs):
+    """h ≡ 0 ("none") or h <= 0 (curvature) with no floor would divide the momentum by 1e-12: a 1e12× step."""
+    p = torch.nn.Parameter(torch.randn(10))
+    with pytest.raises(ValueError, match="clip|lam"):
+        Helene([p], **kwargs)
+    opt = Helene([p], hessian=kwargs["hessian"], lam=1.0)  # with a floor: fine, and a group added later is checked
+    with pytest.raises(ValueError, match="lam"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "lam": 0.0})
+    assert len(opt.param_groups) == 1
