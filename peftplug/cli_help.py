@@ -21,7 +21,7 @@ COMMAND_LINES: dict[str, str] = {
     "export": "write a checkpoint's adapter as a PEFT adapter folder (--merge: a merged model; --as_lora: as LoRA)",
     "generate": "answer prompts with a checkpoint's adapter (or a bare --model)",
     "chat": "chat interactively with a checkpoint's adapter (or a bare --model)",
-    "steering": "steering vectors: extract, generate, evaluate, import-easyedit, export-easyedit",
+    "steering": "steering vectors: extract, generate, evaluate, import-easyedit, export-easyedit, export-gguf",
     "pct": "prompt transfer (PCT): train-sources, decompose, export",
     "kshot": "write LM-BFF k-shot data folders from the hub copies (network once), for data.source: folder",
 }
