@@ -268,7 +268,16 @@ def load_adapter(
             raise ConfigError(f"adapter {str(path)!r} has task_type {task_type!r}; a model name loads for "
                               f"{', '.join(sorted(tasks))} only (load the base model yourself and pass it)")
         quantization, dtype = _base_settings(path, quantization, dtype)
-        model = load_model(str(model), tasks[task_type], quantization, dtype, num_labels=num_labels)
+        pad_token_id = None
+        if tasks[task_type] == "seq_cls":
+            # As PeftModule trained it: the config's pad id is its tokenizer's (EOS where the tokenizer had no pad),
+            # which a decoder-only classifier pools by. The export holds that tokenizer; else the model's own.
+            from peftplug.loading import load_tokenizer
+
+            source = path if os.path.isfile(os.path.join(path, "tokenizer_config.json")) else model
+            pad_token_id = load_tokenizer(str(source)).pad_token_id
+        model = load_model(str(model), tasks[task_type], quantization, dtype, num_labels=num_labels,
+                           pad_token_id=pad_token_id)
     elif not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module or a model name; got {type(model).__name__}")
     else:

@@ -26,6 +26,7 @@ from peftplug.eval_metrics import (  # noqa: F401 -- GENERATION_PREFIX, model_in
     GENERATION_PREFIX,
     EvaluationSums,
     model_inputs,
+    seq_cls_forward,
 )
 from peftplug.loading import (
     QUANTIZATIONS,
@@ -182,6 +183,8 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
             from peftplug.prompt_scoring import prompt_cls_forward
 
             return prompt_cls_forward(self.model, batch)
+        if self.task == "seq_cls":
+            return seq_cls_forward(self.model, batch)
         return self.model(**batch)
 
     def generate_texts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,

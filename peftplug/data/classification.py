@@ -181,6 +181,39 @@ class TextClassificationData(TokenizedDataModule):
         have = getattr(getattr(model, "config", None), "num_labels", None)
         if have is not None and getattr(self._module(), "task", None) == "seq_cls" and self.num_labels > have:
             raise DataError(f"the data has {self.num_labels} classes but model.num_labels is {have}")
+        if getattr(self._module(), "task", None) == "seq_cls":
+            self._check_pooling(model, tokenizer)
+
+    def _check_pooling(self, model: object, tokenizer: object) -> None:
+        """Refuses a decoder-only classifier that would not find the rows' last tokens in these batches.
+
+        Such a model (Llama, Qwen, GPT-2: a ``score`` head) classifies each row at its last token that is not
+        ``config.pad_token_id``; batches are padded with the tokenizer's pad id. When the two differ (a
+        ``data.tokenizer`` other than the model's, a built model whose config has another pad id) every padded row
+        is silently classified from a padding position; with no pad id at all transformers fails mid-run.
+
+        Args:
+            model: The trainer's model (a ``PeftModel`` or a transformers model), or ``None``.
+            tokenizer: The tokenizer that pads the batches.
+
+        Raises:
+            ConfigError: If the model's pad id is not the tokenizer's (and batches may hold more than one row).
+        """
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = getattr(base, "config", None)
+        if config is None or not hasattr(base, "score") or getattr(config, "is_encoder_decoder", False):
+            return  # encoder classifiers pool a fixed position (BERT's [CLS]); padding cannot move it
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        pad = getattr(text_config, "pad_token_id", None)
+        if pad == tokenizer.pad_token_id or (pad is None and max(self.batch_size, self.eval_batch_size) == 1):
+            return
+        source = f"data.tokenizer {self.tokenizer_name!r}" if self.tokenizer_name else "the model's tokenizer"
+        raise ConfigError(
+            f"the model classifies each row at its last token that is not config.pad_token_id ({pad}), but the "
+            f"batches are padded with token id {tokenizer.pad_token_id} ({source}): padded rows would be classified "
+            f"from padding; leave data.tokenizer unset (the model's), or set model.config.pad_token_id = "
+            f"{tokenizer.pad_token_id}"
+        )
 
 
 class BBCNewsData(TextClassificationData):
