@@ -171,8 +171,9 @@ class SteeringConfig(PeftConfig):
             # created, so without this they trained the head and saved an adapter that this class refuses to load.
             raise ValueError(
                 f"SteeringConfig.task_type must be one of {TASK_TYPES}, got {task!r}: PEFT's {task} model trains "
-                "the task head with the adapter, and a steering adapter holds vectors only (to steer a classifier, "
-                "leave task_type None)"
+                "the task head with the adapter, and a steering adapter holds vectors only (to steer a classifier with "
+                "PEFT, leave task_type None; a peftplug task seq_cls trains a new head: use an adapter that saves it, "
+                "e.g. LoRA or OFTv2)"
             )
         for name in ("trainable_token_indices", "modules_to_save"):
             if getattr(self, name) is not None:
