@@ -131,3 +131,17 @@ def test_bf16_evaluation_loss_is_the_fp32_cross_entropy(tmp_path, task):
     single.tokenizer = module.tokenizer
     single.setup("validate")
     assert metrics["val_loss"] == pytest.approx(_fp32_reference(module, single, task), rel=1e-5)
+
+
+@pytest.mark.parametrize("task", ["seq_cls", "causal_lm"])
+def test_prefix_tuning_is_refused_where_peft_cannot_pass_the_prefix(task):
+    # transformers 5 renamed past_key_values (cache) on the classifiers' forward, which PEFT 0.21 looks for outside
+    # its causal-LM path: the run stopped at the first forward with PEFT's "Model does not support past key values".
+    config = {"peft_type": "PREFIX_TUNING", "num_virtual_tokens": 4}
+    if task == "causal_lm":  # PEFT passes the prefix there whatever the signature: it trains
+        module = PeftModule("tiny:llama", task=task, peft=config)
+        ids = torch.randint(3, 50, (2, 6))
+        assert torch.isfinite(module(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss)
+        return
+    with pytest.raises(ConfigError, match="PREFIX_TUNING with task_type SEQ_CLS.*PROMPT_TUNING"):
+        PeftModule("tiny:llama", task=task, num_labels=3, peft=config)
