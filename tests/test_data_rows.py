@@ -42,6 +42,19 @@ def test_causal_lm_pairs_refuse_missing_and_empty_fields(tmp_path, bad, message)
     assert str(raised.value) == f"data file {train!r} row 7 (train split): {message}"
 
 
+@pytest.mark.parametrize("cls, kwargs", [(CausalLMData, PAIRS), (ChatData, {})], ids=["causal_lm", "chat"])
+def test_every_bad_row_of_a_split_is_counted_in_one_error(tmp_path, cls, kwargs):
+    # One error per run named only the first bad row: a file with many was fixed one run at a time.
+    bad = [{"prompt": "x", "response": None}, {"prompt": None, "response": "y"}] * 4  # rows 7-14
+    train = _write(tmp_path / "train.jsonl", _good() + bad)
+    data = cls(train_file=train, validation_file=_write(tmp_path / "val.jsonl", _good(2)), tokenizer="tiny:llama",
+               max_length=64, **kwargs)
+    with pytest.raises(DataError) as raised:
+        data.setup()
+    assert str(raised.value) == (f"data file {train!r} row 7 (train split): the response is empty "
+                                 "(and 7 more row(s) of the train split: 8, 9, 10, 11, 12, ...)")
+
+
 def test_chat_and_causal_lm_give_the_same_message_for_the_same_row(tmp_path):
     train = _write(tmp_path / "train.jsonl", _good() + [{"prompt": "x", "response": None}])
     val = _write(tmp_path / "val.jsonl", _good(2))

@@ -8,7 +8,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from peftplug.data.base import TokenizedDataModule, pad_batch
-from peftplug.data.files import check_val_fraction, no_room, read_splits, row_name, row_text
+from peftplug.data.files import RowErrors, check_val_fraction, no_room, read_splits, row_text
 from peftplug.errors import ConfigError, DataError
 
 
@@ -106,17 +106,17 @@ class CausalLMData(TokenizedDataModule):
         raw = read_splits(self.files, columns, self.val_fraction, self.seed, text_columns=columns)
         for split, cols in raw.items():
             prompts, encoded = [], []
+            errors = RowErrors(split, cols)
             for index, row in enumerate(zip(*(cols[c] for c in columns))):
-                try:
+                with errors.row(index):
                     # The rule ChatData applies to its rows: no missing text, no empty answer, an answer that fits.
                     if instruction:
                         prompt, response = row_text(row[0], "prompt", blank_ok=True), row_text(row[1], "response")
                     else:
                         prompt, response = row_text(row[0], "text"), None
                     encoded.append(self._encode(tokenizer, task, prompt, response))
-                except DataError as err:
-                    raise DataError(f"{row_name(split, cols, index)}: {err}") from None
-                prompts.append(prompt)
+                    prompts.append(prompt)
+            errors.raise_if_any()
             self.splits[split] = encoded
             self.prompts[split] = prompts
             if not self.splits[split]:

@@ -39,7 +39,7 @@ from peftplug.data.conversations import (
     template_pieces,
     with_system,
 )
-from peftplug.data.files import ROW_SOURCE, check_val_fraction, row_name, row_text
+from peftplug.data.files import ROW_SOURCE, RowErrors, check_val_fraction, row_text
 from peftplug.errors import ConfigError, DataError
 
 # Placeholders of the former single-exchange splitter, kept for scripts that imported them.
@@ -197,15 +197,16 @@ class ChatData(TokenizedDataModule):
         for split, rows in self.load_rows().items():
             examples, dropped = [], 0
             sources = self._row_sources.get(split, {})
+            errors = RowErrors(split, sources)
             for index, row in enumerate(rows):
-                try:
+                with errors.row(index):
                     encoded = encode_conversation(tokenizer, self.row_turns(row), self.max_length)
-                except DataError as err:
-                    raise DataError(f"{row_name(split, sources, index)}: {err}") from None
-                dropped += encoded.dropped_turns > 0
-                examples.append({"input_ids": encoded.input_ids, "attention_mask": [1] * len(encoded.input_ids),
-                                 "labels": encoded.labels, "prompt_ids": encoded.input_ids[: encoded.prompt_length],
-                                 "answer_text": encoded.answer_text})
+                    dropped += encoded.dropped_turns > 0
+                    examples.append({"input_ids": encoded.input_ids,
+                                     "attention_mask": [1] * len(encoded.input_ids), "labels": encoded.labels,
+                                     "prompt_ids": encoded.input_ids[: encoded.prompt_length],
+                                     "answer_text": encoded.answer_text})
+            errors.raise_if_any()
             if not examples:
                 raise DataError(f"the {split} split is empty")
             self.splits[split], self.dropped_turns[split] = examples, dropped

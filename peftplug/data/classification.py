@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 
 from peftplug.data.base import TokenizedDataModule
-from peftplug.data.files import ROW_SOURCE, check_val_fraction, read_splits, row_name, row_text
+from peftplug.data.files import ROW_SOURCE, RowErrors, check_val_fraction, read_splits, row_name, row_text
 from peftplug.errors import ConfigError, DataError
 
 
@@ -134,11 +134,11 @@ class TextClassificationData(TokenizedDataModule):
             column: ``text`` or ``text_pair``.
         """
         texts = []
+        errors = RowErrors(split, cols)
         for index, value in enumerate(cols[column]):
-            try:
+            with errors.row(index):
                 texts.append(row_text(value, column.replace("_", " "), blank_ok=True))
-            except DataError as err:
-                raise DataError(f"{row_name(split, cols, index)}: {err}") from None
+        errors.raise_if_any()
         return texts
 
     @property

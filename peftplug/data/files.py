@@ -4,6 +4,7 @@ file and its first bad line or row, and splitting a training file into train and
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -241,6 +242,57 @@ def row_name(split: str, cols: dict[str, list], index: int) -> str:
         return f"{split} row {index}"
     path, row = sources[index]
     return f"data file {str(path)!r} row {row} ({split} split)"
+
+
+class RowErrors:
+    """The bad rows of one split, reported together: the first in full, then how many more and which.
+
+    A file with a dozen too-long answers is then fixed in one pass instead of a dozen runs. Use::
+
+        errors = RowErrors(split, cols)
+        for index, row in enumerate(rows):
+            with errors.row(index):
+                ...  # raises DataError for a bad row; the rest of the block is skipped
+        errors.raise_if_any()
+
+    Args:
+        split: The split's name.
+        cols: The split's columns (with :data:`ROW_SOURCE`, see :func:`row_name`).
+    """
+
+    SHOWN = 5  # further rows named in the message
+
+    def __init__(self, split: str, cols: dict[str, list]) -> None:
+        self.split, self.cols = split, cols
+        self.failed: list[tuple[int, str]] = []
+
+    @contextlib.contextmanager
+    def row(self, index: int):
+        """Records a :class:`DataError` raised for row ``index`` instead of letting it stop the split.
+
+        Args:
+            index: The row's index in the split.
+        """
+        try:
+            yield
+        except DataError as err:
+            self.failed.append((index, str(err)))
+
+    def _short_name(self, index: int) -> str:
+        sources = self.cols.get(ROW_SOURCE)
+        return str(sources[index][1]) if sources else str(index)
+
+    def raise_if_any(self) -> None:
+        """Raises one DataError for the recorded rows (none: nothing)."""
+        if not self.failed:
+            return
+        (first, message), rest = self.failed[0], self.failed[1:]
+        text = f"{row_name(self.split, self.cols, first)}: {message}"
+        if rest:
+            shown = ", ".join(self._short_name(i) for i, _ in rest[: self.SHOWN])
+            more = ", ..." if len(rest) > self.SHOWN else ""
+            text += f" (and {len(rest)} more row(s) of the {self.split} split: {shown}{more})"
+        raise DataError(text)
 
 
 def row_text(value: object, name: str, blank_ok: bool = False) -> str:
