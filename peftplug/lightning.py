@@ -39,7 +39,7 @@ from peftplug.loading import (
     peft_config_to_dict,
 )
 from peftplug.nonfinite_steps import SkipsNonFiniteSteps
-from peftplug.prefix_tuning_support import check_prefix_tuning_support
+from peftplug.peft_type_support import check_peft_type_support
 from peftplug.prompt_generation import generate_new_tokens
 from peftplug.quantized_layout import keep_exact_4bit_layout
 from peftplug.resume import RNG_KEY, restore_loader_position, restore_rng, rng_state
@@ -155,7 +155,7 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
             # Saved in plain form so that load_from_checkpoint and hparams.yaml need no pickled classes.
             if isinstance(peft, PeftConfig):
                 self.hparams["peft"] = peft_config_to_dict(self.peft_config)
-            check_prefix_tuning_support(base, self.peft_config)
+            check_peft_type_support(base, self.peft_config)
             self.model = attach_adapter(base, self.peft_config)
         else:
             self.model = base

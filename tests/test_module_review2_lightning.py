@@ -145,3 +145,9 @@ def test_prefix_tuning_is_refused_where_peft_cannot_pass_the_prefix(task):
         return
     with pytest.raises(ConfigError, match="PREFIX_TUNING with task_type SEQ_CLS.*PROMPT_TUNING"):
         PeftModule("tiny:llama", task=task, num_labels=3, peft=config)
+
+
+def test_multitask_prompt_tuning_is_refused_when_built():
+    # Its forward needs task_ids per batch, which no data module carries: PEFT's "task_ids cannot be None" at step 1.
+    with pytest.raises(ConfigError, match="MULTITASK_PROMPT_TUNING needs task_ids"):
+        PeftModule("tiny:llama", peft={"peft_type": "MULTITASK_PROMPT_TUNING", "num_virtual_tokens": 4, "num_tasks": 2})

@@ -1,9 +1,12 @@
-"""Whether PEFT's prefix tuning can pass its prefix to a model, checked before the first forward.
+"""PEFT adapter types a ``PeftModule`` cannot train as configured, refused when the model is built (one line).
 
-PEFT (0.21) hands the prefix to a model as ``past_key_values`` and, outside its causal-LM and seq2seq paths, first
+Prefix tuning: PEFT (0.21) hands the prefix to a model as ``past_key_values`` and, outside its causal-LM and seq2seq paths, first
 looks for a parameter of that name on the model's or its backbone's ``forward``; transformers 5 renamed it
 (``cache``) on many models, so a sequence-classification, token-classification or question-answering run stopped at
 its first forward with PEFT's "Model does not support past key values which are required for prefix tuning".
+
+Multitask prompt tuning: its forward needs a ``task_ids`` tensor per batch, which no peftplug data module carries,
+so a run stopped at its first step with PEFT's "task_ids cannot be None".
 """
 
 from __future__ import annotations
@@ -51,3 +54,20 @@ def check_prefix_tuning_support(model: torch.nn.Module, peft_config: Any) -> Non
         f"which {type(model).__name__} takes no more (transformers {transformers.__version__}); use PROMPT_TUNING, "
         "P_TUNING or a weight adapter (LORA, OFTV2) for this task"
     )
+
+
+def check_peft_type_support(model: torch.nn.Module, peft_config: Any) -> None:
+    """Refuses, in one line, a PEFT config that a ``PeftModule`` run would stop on at its first forward.
+
+    Args:
+        model: The base model (before ``get_peft_model``).
+        peft_config: The PEFT config about to be attached.
+
+    Raises:
+        ConfigError: For multitask prompt tuning, and prefix tuning a model cannot take
+            (:func:`check_prefix_tuning_support`).
+    """
+    if getattr(peft_config.peft_type, "value", peft_config.peft_type) == "MULTITASK_PROMPT_TUNING":
+        raise ConfigError("peft MULTITASK_PROMPT_TUNING needs task_ids in every batch, which peftplug's data modules "
+                          "do not carry; use PROMPT_TUNING (or train it with your own loop)")
+    check_prefix_tuning_support(model, peft_config)
