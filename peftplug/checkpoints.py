@@ -152,7 +152,7 @@ def find_best_checkpoint(root: str | os.PathLike) -> Path:
     """
     from peftplug.resume import find_last_checkpoint
 
-    newest = find_last_checkpoint(root)
+    newest = find_last_checkpoint(root, asked="best")
     states = read_checkpoint(newest, mmap=True).get("callbacks") or {}
     recorded = next((state.get("best_model_path") for key, state in states.items()
                      if str(key).startswith("ModelCheckpoint") and isinstance(state, dict)), None)

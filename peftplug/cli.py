@@ -73,6 +73,44 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 
+def _peft_type_of(class_path: str) -> str:
+    """The ``peft_type`` of a PEFT config class named by its class path (the path itself if unknown).
+
+    Args:
+        class_path: E.g. ``"oftv2.OFTv2Config"``.
+    """
+    try:
+        from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+        cls = import_class(class_path, "model.peft")
+    except (ConfigError, ImportError):  # (a bad path is reported by the config checks; here it is only shown)
+        return class_path
+    found = next((t for t, c in PEFT_TYPE_TO_CONFIG_MAPPING.items() if c is cls), None)
+    return class_path if found is None else str(getattr(found, "value", found))
+
+
+def _comparable(flat: dict[str, Any]) -> dict[str, Any]:
+    """:func:`_flat` model settings with ``model.peft`` in one form: a recipe's ``class_path``/``init_args`` as the
+    checkpoint's plain dict (``peft.peft_type``, ``peft.<field>``), so that a replaced adapter is seen.
+
+    Args:
+        flat: Flattened model settings.
+    """
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key == "peft.class_path":
+            out["peft.peft_type"] = _peft_type_of(str(value))
+        elif key.startswith("peft.init_args."):
+            if key != "peft.init_args.peft_type" or value is not None:  # (None there: set by the class)
+                out["peft." + key.removeprefix("peft.init_args.")] = value
+        else:
+            out[key] = value
+    if "peft.peft_type" in out:
+        raw = out["peft.peft_type"]
+        out["peft.peft_type"] = str(getattr(raw, "value", raw))
+    return out
+
+
 def _flat(section: Any, prefix: str = "") -> dict[str, Any]:
     """A config section (jsonargparse Namespace or dict) as ``{"a.b.c": value}``.
 
@@ -182,11 +220,11 @@ def _cli_classes():
                 read_checkpoint(ckpt_path, mmap=True)
                 if self.config[subcommand].get("weights_only", False) is None:
                     self.config[subcommand].weights_only = True  # what read_checkpoint just loaded it with
-            before = _flat(self.config[subcommand].get("model")) if subcommand else {}
+            before = _comparable(_flat(self.config[subcommand].get("model"))) if subcommand else {}
             super()._parse_ckpt_path()
             # Lightning's convention: the checkpoint's model settings replace the config's, so that the recipe alone
             # resumes a run that had --model.* flags. A setting that the checkpoint changes is said, not silent.
-            after = _flat(self.config[subcommand].get("model")) if subcommand else {}
+            after = _comparable(_flat(self.config[subcommand].get("model"))) if subcommand else {}
             changed = [f"model.{k}: {before[k]!r} -> {after[k]!r}" for k in sorted(before)
                        if k in after and before[k] != after[k] and before[k] is not None]
             if changed:

@@ -95,11 +95,13 @@ def restore_loader_position(trainer: Any) -> bool:
     return True
 
 
-def find_last_checkpoint(root: str | os.PathLike) -> Path:
+def find_last_checkpoint(root: str | os.PathLike, asked: str = "last") -> Path:
     """The most recently written ``.ckpt`` file under ``root`` (any depth).
 
     Args:
         root: The run's ``trainer.default_root_dir``.
+        asked: The ``--ckpt_path`` value being resolved (``last``, or ``best``, which reads the newest), for the
+            messages.
 
     Raises:
         ConfigError: If there is none (the message says where it looked and how to get periodic checkpoints).
@@ -116,13 +118,13 @@ def find_last_checkpoint(root: str | os.PathLike) -> Path:
     if newer:
         newest = max(newer, key=lambda p: p.stat().st_mtime_ns)
         raise ConfigError(
-            f"ckpt_path: 'last' is the distributed checkpoint folder {str(newest)!r}"
+            f"ckpt_path: {asked!r} is the distributed checkpoint folder {str(newest)!r}"
             " (FSDP2 with save_distributed_checkpoint: true, Lightning's default), which peftplug cannot resume or "
             "export; train with trainer.strategy.init_args.save_distributed_checkpoint: false (docs/cli.md)"
         )
     if not found:
         raise ConfigError(
-            f"ckpt_path: 'last' found no checkpoint under trainer.default_root_dir {str(folder)!r}; give the path "
+            f"ckpt_path: {asked!r} found no checkpoint under trainer.default_root_dir {str(folder)!r}; give the path "
             "of a .ckpt file, or let runs write checkpoints (an interrupted `peftplug fit` does; periodic ones: "
             "ModelCheckpoint every_n_train_steps, see docs/cli.md)"
         )

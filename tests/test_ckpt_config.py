@@ -55,3 +55,22 @@ def test_a_checkpoint_of_another_adapter_says_what_it_replaces(tmp_path, capsys,
     assert "model.peft.target_modules: ['k_proj'] -> ['q_proj', 'v_proj']" in err, err
     assert sorted(resumed.model.model.peft_config["default"].target_modules) == ["q_proj", "v_proj"]
     assert resumed.trainer.global_step == 2
+
+
+def test_a_checkpoint_replacing_a_class_path_adapter_says_so(tmp_path, capsys, monkeypatch):
+    # Recipes write model.peft as class_path/init_args, the checkpoint holds a plain dict: the two never matched
+    # key for key, so an OFTv2 recipe resumed from a LoRA checkpoint trained LoRA without a word.
+    monkeypatch.chdir(tmp_path)
+    assert main(["fit", "--config", str(_recipe(tmp_path, "first", ["q_proj", "v_proj"]))]) == 0
+    (ckpt,) = (tmp_path / "first").rglob("*.ckpt")
+    capsys.readouterr()
+    other = _recipe(tmp_path, "other", ["k_proj"])
+    recipe = yaml.safe_load(other.read_text())
+    recipe["model"]["peft"] = {"class_path": "oftv2.OFTv2Config",
+                               "init_args": {"block_size": 8, "target_modules": ["q_proj"]}}
+    other.write_text(yaml.safe_dump(recipe))
+    resumed = cli(["fit", "--config", str(other), "--ckpt_path", str(ckpt), "--trainer.max_steps", "2"])
+    err = capsys.readouterr().err
+    assert "model.peft.peft_type: 'OFTV2' -> 'LORA'" in err, err
+    assert "model.peft.target_modules: ['q_proj'] -> ['q_proj', 'v_proj']" in err, err
+    assert resumed.model.model.peft_config["default"].peft_type == "LORA"

@@ -85,7 +85,7 @@ def test_best_is_the_best_checkpoint_the_runs_newest_checkpoint_records(tmp_path
     recipe = causal_recipe(tmp_path, ROWS, peft={"peft_type": "LORA", "r": 2, "target_modules": ["q_proj"]},
                            trainer={"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1},
                            data={"val_fraction": 0.1})
-    with pytest.raises(ConfigError, match="found no checkpoint"):
+    with pytest.raises(ConfigError, match="ckpt_path: 'best' found no checkpoint"):  # (it said 'last')
         find_best_checkpoint(tmp_path / "runs")
     done = cli(["fit", "--config", str(recipe), with_best])
     (callback,) = done.trainer.checkpoint_callbacks
