@@ -455,7 +455,6 @@ def steering_model_of(model) -> SteeringModel:
     raise TypeError(f"expected a PeftModel with a steering adapter, got {type(model).__name__}")
 
 
-
 def _is_zero(param: torch.Tensor) -> bool:
     """Whether a materialised, unsharded vector is all zeros (``False`` for meta tensors and FSDP2 DTensors, whose
     values are not known here without loading or a collective)."""
