@@ -40,6 +40,7 @@ from peftplug_kernels.nf4_rotate_matmul.fit import HALF_DTYPES, w4a16_unfit
 
 from .config import OFTv2Config
 from .dispatch import FUSE_ALWAYS, KernelPlan, choose_impl
+from .drift import merge_drift  # noqa: F401  (public here: oftv2.bnb.merge_drift)
 from .layer import Linear
 from .merge_order import merged_weight
 
@@ -230,9 +231,11 @@ def requantize_8bit_weight(base: nn.Module, weight: torch.Tensor) -> None:
     """
     bnb = _bnb()
     old = base.weight
-    if old.dtype != torch.int8:
+    if old.dtype != torch.int8:  # has_fp16_weights=True: a float weight that each forward quantizes
         with torch.no_grad():
             old.data.copy_(weight.to(old.dtype))
+        # An eval forward reuses the int8 copy the last forward cached (state.CB): without this it ran the old weight.
+        base.state.reset_grads()
         return
     device = weight.device
     base.weight = bnb.nn.Int8Params(
@@ -547,43 +550,3 @@ def merge_and_export_full_precision(peft_model: nn.Module, dtype: torch.dtype | 
     if config is not None and hasattr(config, "quantization_config"):
         del config.quantization_config
     return model
-
-
-@torch.no_grad()
-def merge_drift(peft_model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Measures the output drift that requantizing a merged quantized base causes, on a calibration batch.
-
-    Runs the unmerged adapter, merges (requantizing the quantized bases), runs again, then unmerges. Also reports
-    how far the base model (adapters disabled) is from the adapter, for scale: a faithful merge has
-    ``merged_vs_adapter`` much smaller than ``base_vs_adapter``.
-
-    Args:
-        peft_model: A ``PeftModel`` with OFTv2 adapters (merge/unmerge/disable_adapter available).
-        batch: Model inputs, e.g. ``{"input_ids": ..., "attention_mask": ...}``.
-
-    Returns:
-        Relative Frobenius distances of the logits: ``merged_vs_adapter``, ``base_vs_adapter`` and
-        ``unmerged_vs_adapter`` (after the merge/unmerge round trip).
-    """
-    was_training = peft_model.training
-    peft_model.eval()
-
-    def logits() -> torch.Tensor:
-        out = peft_model(**batch)
-        return (out.logits if hasattr(out, "logits") else out).float()
-
-    adapter = logits()
-    with peft_model.disable_adapter():
-        base = logits()
-    tuner = getattr(peft_model, "base_model", peft_model)
-    tuner.merge_adapter()
-    merged = logits()
-    tuner.unmerge_adapter()
-    unmerged = logits()
-    peft_model.train(was_training)
-    norm = adapter.norm().clamp_min(1e-12)
-    return {
-        "merged_vs_adapter": float((merged - adapter).norm() / norm),
-        "base_vs_adapter": float((base - adapter).norm() / norm),
-        "unmerged_vs_adapter": float((unmerged - adapter).norm() / norm),
-    }
