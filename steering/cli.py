@@ -14,7 +14,9 @@ Examples::
 model from the shared data directory), ``tiny:<family>``, ``smollm2-135m-instruct``, a local model directory or a
 Hub id. A pairs JSONL has
 one object per line with ``positive`` and ``negative`` (or ``pos``/``neg``) strings, or a 2-element list, or
-EasyEdit2's rows ``{"question", "matching", "not_matching"}`` (then the vector is EasyEdit2's CAA exactly).
+EasyEdit2's rows ``{"question", "matching", "not_matching"}`` (then the vector is EasyEdit2's CAA exactly) or
+``{"input", "output", "prompt"?}`` (its vector prompt). Adapter ``--out`` folders are written beside their place and
+renamed onto it (an earlier adapter folder is replaced; a folder of other files is refused).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,9 +47,15 @@ def load_model_and_tokenizer(spec: str):
 
 def _lines(path: Path, what: str, parse_json: bool):
     """``(line number, JSON value or text)`` of the non-empty lines of ``path``; one-line errors naming the line."""
+    if path.is_dir():
+        raise ConfigError(f"{what} file {path} is a folder; expected a text file (one entry per line)")
     if not path.is_file():
         raise MissingFileError(f"{what} file {path} does not exist")
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 text (byte {err.start}); expected a UTF-8 {what} file") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         if not parse_json:
@@ -63,13 +72,16 @@ def read_pairs(path: str | Path) -> list:
 
     Args:
         path: JSONL path; each line ``{"positive": ..., "negative": ...}`` (or ``pos``/``neg``), ``[pos, neg]``,
-            or an EasyEdit2 row ``{"question": ..., "matching": ..., "not_matching": ...}`` (all lines alike).
+            or an EasyEdit2 row: ``{"question": ..., "matching": ..., "not_matching": ...}`` (CAA) or
+            ``{"input": ..., "output": ..., "prompt"?: ...}`` (``--method vector_prompt``); all lines alike.
     """
     path = Path(path)
     pairs = []
     for lineno, obj in _lines(path, "pairs", parse_json=True):
-        if isinstance(obj, dict) and "matching" in obj:
-            pairs.append(obj)  # an EasyEdit2 row; steering.easyedit_data checks its fields
+        if isinstance(obj, dict) and ("matching" in obj or "output" in obj):
+            # An EasyEdit2 row (CAA's question/matching/not_matching or vector_prompt's input/output);
+            # steering.easyedit_data checks its fields.
+            pairs.append(obj)
             continue
         if isinstance(obj, list) and len(obj) == 2:
             pos, neg = obj
@@ -86,6 +98,75 @@ def read_pairs(path: str | Path) -> list:
     if len({isinstance(p, dict) for p in pairs}) > 1:
         raise DataError(f"{path} mixes EasyEdit2 rows (question/matching/not_matching) with positive/negative pairs")
     return pairs
+
+
+def _check_finite(flag: str, value: float, minimum: float | None = None) -> None:
+    """One-line ConfigError for a non-finite float flag (or one below ``minimum``), before any model is loaded.
+
+    Args:
+        flag: The flag as the user spells it (``--temperature``).
+        value: Its value.
+        minimum: The smallest accepted value, if any.
+    """
+    if not math.isfinite(value) or (minimum is not None and value < minimum):
+        accepted = f"a finite number >= {minimum:g}" if minimum is not None else "a finite number"
+        raise ConfigError(f"{flag} must be {accepted}, got {value}")
+
+
+def _check_adapter_out(out: str) -> None:
+    """Refuses, before the model loads, an adapter ``--out`` that is a file or a folder of other things.
+
+    The adapter is written into a staging folder beside ``--out`` and renamed onto it (a failure midway leaves no
+    half-written adapter), so an earlier adapter folder there is replaced; a non-empty folder without
+    ``adapter_config.json`` is refused rather than replaced.
+
+    Args:
+        out: The ``--out`` folder.
+    """
+    from peftplug.fileio import nearest_existing
+
+    target = Path(out).expanduser()
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"--out {out}: is a file; give a folder for the adapter (nothing was touched)")
+    above = nearest_existing(target.parent)
+    if not above.is_dir():
+        raise ConfigError(f"--out {out}: {above} is a file, not a folder (nothing was touched)")
+    if target.is_dir() and os.path.ismount(target):
+        raise ConfigError(f"--out {out}: is a mount point; the adapter is written beside its folder and renamed onto "
+                          "it, so give a folder inside it")
+    if target.is_dir() and any(target.iterdir()) and not (target / "adapter_config.json").is_file():
+        raise ConfigError(f"--out {out}: holds files but no adapter_config.json; an earlier adapter folder is "
+                          "replaced, any other folder must be new or empty (nothing was touched)")
+
+
+def _save_adapter(peft_model, out: str) -> None:
+    """``save_pretrained`` into a staging folder beside ``out``, then renamed onto it (see :func:`_check_adapter_out`).
+
+    Args:
+        peft_model: The PeftModel to save.
+        out: The ``--out`` folder.
+    """
+    from peftplug.fileio import atomic_directory
+
+    with atomic_directory(os.path.abspath(Path(out).expanduser()), overwrite=True) as staging:
+        peft_model.save_pretrained(staging)
+
+
+def _check_file_out(flag: str, out: str) -> None:
+    """Refuses, before the model loads, an output file path that is a folder or lies under a file.
+
+    Args:
+        flag: The flag (``--out``).
+        out: Its value.
+    """
+    from peftplug.fileio import nearest_existing
+
+    target = Path(out).expanduser()
+    if target.is_dir():
+        raise ConfigError(f"{flag} {out}: is a folder; give a file path")
+    above = nearest_existing(target.parent)
+    if not above.is_dir():
+        raise ConfigError(f"{flag} {out}: {above} is a file, not a folder")
 
 
 def _adapter_spec(spec: str) -> tuple[str, float | None]:
@@ -134,8 +215,15 @@ def _prompts_or_bos(tokenizer, prompts: list[str]) -> list[str]:
 def _cmd_extract(args) -> int:
     import steering
 
-    model, tokenizer = load_model_and_tokenizer(args.model)
+    _check_adapter_out(args.out)
+    _require_positive(args, "batch_size", *(("steps",) if args.method == "trainable" else ()))
+    _check_finite("--multiplier", args.multiplier)
+    if args.method == "trainable" and not (math.isfinite(args.lr) and args.lr > 0):
+        raise ConfigError(f"--lr must be a finite number > 0, got {args.lr}")
+    if min(args.layers) < 0:
+        raise ConfigError(f"--layers must be block indices >= 0 (block L's output), got {args.layers}")
     pairs = read_pairs(args.pairs)
+    model, tokenizer = load_model_and_tokenizer(args.model)
     try:
         peft_model = steering.train_steering_vector(
             model, tokenizer, pairs, method=args.method, layers=args.layers, multiplier=args.multiplier,
@@ -146,7 +234,7 @@ def _cmd_extract(args) -> int:
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    peft_model.save_pretrained(args.out)
+    _save_adapter(peft_model, args.out)
     norms = {k: round(float(v.norm()), 4) for k, v in peft_model.base_model.get_vectors().items()}
     print(f"wrote steering adapter ({args.method}, {len(pairs)} pairs, layer norms {norms}) to {args.out}")
     return 0
@@ -190,6 +278,7 @@ def _cmd_generate(args) -> int:
     import torch
 
     _require_positive(args, "max_new_tokens")
+    _check_finite("--temperature", args.temperature, minimum=0)
     for spec in args.adapter:
         _adapter_spec(spec)  # a bad multiplier is reported before the model loads
     model, tokenizer = load_model_and_tokenizer(args.model)
@@ -211,6 +300,8 @@ def _cmd_generate(args) -> int:
 def _cmd_export_easyedit(args) -> int:
     import steering
 
+    if Path(args.out).expanduser().is_file():
+        raise ConfigError(f"--out {args.out}: is a file; give a folder for the EasyEdit2 vectors")
     model, _ = load_model_and_tokenizer(args.model)
     peft_model = _load_adapters(model, [args.adapter])
     paths = steering.export_easyedit(peft_model, args.out, adapter_name="steer0", scaled=args.scaled,
@@ -222,13 +313,15 @@ def _cmd_export_easyedit(args) -> int:
 def _cmd_import_easyedit(args) -> int:
     import steering
 
+    _check_adapter_out(args.out)
+    _check_finite("--multiplier", args.multiplier)
     model, _ = load_model_and_tokenizer(args.model)
     try:
         peft_model = steering.load_easyedit(model, args.folder, multiplier=args.multiplier,
                                             steer_from_end_position=args.steer_from_end_position)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    peft_model.save_pretrained(args.out)
+    _save_adapter(peft_model, args.out)
     layers = peft_model.base_model.peft_config["default"].layers
     print(f"wrote steering adapter with layers {layers} to {args.out}")
     return 0
@@ -237,8 +330,14 @@ def _cmd_import_easyedit(args) -> int:
 def _cmd_export_gguf(args) -> int:
     import steering
 
+    _check_file_out("--out", args.out)
     model, _ = load_model_and_tokenizer(args.model)
     peft_model = _load_adapters(model, [args.adapter])
+    layers = peft_model.base_model.peft_config["steer0"].layers
+    if 0 in layers:
+        # llama.cpp refuses a control vector holding direction.0 as a whole (it never steers block 0's output).
+        raise ConfigError(f"--adapter {args.adapter}: steers layer 0 (layers {layers}); llama.cpp refuses a control "
+                          "vector with direction.0, so the file would not load: extract without layer 0")
     try:
         path = steering.export_gguf(peft_model, args.out, adapter_name="steer0")
     except ImportError as err:
@@ -280,15 +379,62 @@ def _load_scorer(folder: str):
             "(save_pretrained of an AutoModelForSequenceClassification, with its tokenizer)"
         )
     try:
-        return AutoModelForSequenceClassification.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+        model, info = AutoModelForSequenceClassification.from_pretrained(folder, output_loading_info=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as err:
         raise ConfigError(f"--scorer {folder}: cannot load a sequence classifier: {one_line(str(err))}") from None
+    if info.get("missing_keys"):
+        # A causal LM (or bare encoder) folder loads as a classifier with a freshly initialised head: its
+        # "concept score" would be noise.
+        missing = sorted(info["missing_keys"])
+        raise ConfigError(
+            f"--scorer {folder}: not a trained sequence classifier (weights {', '.join(missing[:3])} are missing "
+            "and would be random); expected save_pretrained of an AutoModelForSequenceClassification"
+        )
+    return model, tokenizer
+
+
+def _answers(path: str, rows: list[dict]) -> list[list[str]]:
+    """The accepted answers of ``--questions`` rows: a string or a non-empty list of strings each.
+
+    Args:
+        path: The ``--questions`` file (for the message).
+        rows: Its rows.
+    """
+    out = []
+    for i, row in enumerate(rows, 1):
+        value = row["answers"]
+        answers = [value] if isinstance(value, str) else value
+        if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a.strip() for a in answers):
+            raise DataError(f"{path}: entry {i}: 'answers' must be a non-empty string or a non-empty list of "
+                            f"non-empty strings, got {value!r}")
+        out.append(answers)
+    return out
+
+
+def _json_ready(value):
+    """``value`` with non-finite floats as ``None`` (strict JSON has no NaN, e.g. ``instruction_kept`` when no
+    question was answered right unsteered).
+
+    Args:
+        value: Metrics (nested dicts/lists of numbers and strings).
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    return value
 
 
 def _cmd_evaluate(args) -> int:
     from steering import evaluate as ev
 
     _require_positive(args, "max_new_tokens", "batch_size")
+    _check_finite("--temperature", args.temperature, minimum=0)
+    if args.out:
+        _check_file_out("--out", args.out)
     for spec in args.adapter:
         _adapter_spec(spec)
     if args.scorer and not Path(args.scorer).is_dir():
@@ -318,7 +464,7 @@ def _cmd_evaluate(args) -> int:
     if args.questions:
         rows = _read_lines(args.questions, "questions", ("question", "answers"))
         texts = [r["question"] for r in rows]
-        answers = [[a] if isinstance(a, str) else list(a) for a in (r["answers"] for r in rows)]
+        answers = _answers(args.questions, rows)
         questions = texts if args.raw_prompts else ev.chat_prompts(tokenizer, texts, args.system_prompt)
         if args.instruction:
             steered_questions = ([f"{args.instruction} {t}" for t in texts] if args.raw_prompts
@@ -333,11 +479,12 @@ def _cmd_evaluate(args) -> int:
     )
     result["requests"] = requests
     summary = {k: round(v, 4) for k, v in result.items() if isinstance(v, float)}
-    print(json.dumps(summary))
+    print(json.dumps(_json_ready(summary), allow_nan=False))
     if args.out:
         from peftplug.fileio import atomic_write_text
 
-        atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
+        Path(args.out).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.out, json.dumps(_json_ready(result), indent=1, allow_nan=False) + "\n")
         print(f"wrote {args.out}")
     return 0
 
@@ -366,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ex = sub.add_parser("extract", help="extract steering vectors from a JSONL of pairs and save the adapter")
     ex.add_argument("--model", required=True)
-    ex.add_argument("--pairs", required=True, help="JSONL of {'positive': ..., 'negative': ...}")
+    ex.add_argument("--pairs", required=True, help="JSONL of {'positive': ..., 'negative': ...} or EasyEdit2 rows")
     ex.add_argument("--out", required=True, help="adapter output directory")
     ex.add_argument("--method", default="caa", choices=METHODS)
     ex.add_argument("--layers", type=int, nargs="+", required=True)

@@ -27,13 +27,13 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 
 from peftplug.errors import CheckpointError, ConfigError, MissingFileError
-from peftplug.fileio import atomic_write
+from peftplug.fileio import atomic_directory, atomic_write, nearest_existing
 
 # EasyEdit2 method name -> (folder under <dir>/<dataset>, file name pattern of one layer).
 EASYEDIT_FOLDERS: dict[str, tuple[str, str]] = {
@@ -66,8 +66,66 @@ def _vectors_of(source, adapter_name: str, scaled: bool) -> tuple[dict[int, torc
         vectors[layer] = module.steer_multiplier[adapter_name] * v if scaled else v
     ref = next((p for n, p in steer.model.named_parameters() if steer.prefix not in n), None)
     meta = {"model_type": config.model_type, "method": config.method, "read_position": config.read_position,
-            "dtype": ref.dtype if ref is not None else torch.float32}
+            "dtype": ref.dtype if ref is not None else torch.float32, "operator": config.operator,
+            "positions": config.positions, "adapter_name": adapter_name,
+            "layer_factors": {k: v for k, v in (config.layer_multipliers or {}).items() if v != 1}}
     return vectors, meta
+
+
+def _check_exportable(meta: dict, target: str, positions: tuple[str, ...], scaled: bool) -> None:
+    """Refuses an adapter whose vectors mean something else in ``target``, and warns where a setting is lost.
+
+    EasyEdit2 and llama.cpp only ever add a vector (``h + m v``): the vector of an ``ablate`` adapter, written as
+    it is, would push the hidden state along the direction the adapter removes.
+
+    Args:
+        meta: Provenance from :func:`_vectors_of` (empty for a plain ``{layer: vector}`` dict).
+        target: ``"EasyEdit2"`` or ``"llama.cpp"`` (for the messages).
+        positions: The ``positions`` policies the target can express.
+        scaled: Whether the multipliers are folded into the written vectors.
+    """
+    if not meta:
+        return
+    name = meta["adapter_name"]
+    if meta["operator"] != "add":
+        raise ConfigError(
+            f"steering adapter {name!r} uses operator={meta['operator']!r}, but {target} only adds vectors "
+            "(h + m*v): written as they are, they would steer differently; only operator='add' adapters can be exported"
+        )
+    if meta["positions"] not in positions:
+        warnings.warn(f"steering adapter {name!r} steers positions={meta['positions']!r}, which {target} cannot "
+                      f"express (it steers {' or '.join(positions)}): the exported vectors act on other tokens",
+                      stacklevel=3)
+    if meta["layer_factors"] and not scaled:
+        warnings.warn(f"steering adapter {name!r} has layer_multipliers {meta['layer_factors']}, which the raw "
+                      f"vectors do not carry: give {target} those per-layer factors, or export with scaled=True",
+                      stacklevel=3)
+
+
+def _check_output_folder(folder: Path) -> None:
+    """Refuses a vector folder to write that is a file, sits under a file, or holds anything but layer files.
+
+    The export replaces the whole folder (so no layer file of an earlier export stays behind and gets imported
+    with the new ones); a folder with other content is refused rather than deleted.
+
+    Args:
+        folder: The absolute method folder the layer files go to.
+    """
+    above = nearest_existing(folder)
+    if not above.is_dir():
+        raise ConfigError(f"cannot write EasyEdit2 vectors to {folder}: {above} is a file, not a folder")
+    if above != folder:
+        return
+    if os.path.ismount(folder):
+        raise ConfigError(f"{folder} is a mount point; EasyEdit2 vectors are written beside their folder and "
+                          "renamed onto it, so give a folder inside it")
+    others = sorted(p.name for p in folder.iterdir() if not (p.is_file() and _ANY_LAYER_FILE.match(p.name)))
+    if others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise ConfigError(
+            f"{folder} holds other files than EasyEdit2 layer files ({shown}); the export replaces the whole "
+            "folder, so give a new or empty folder, or one an earlier export wrote (nothing was touched)"
+        )
 
 
 def steering_adapter(model, vectors: dict[int, torch.Tensor], adapter_name: str = "default", **config_kwargs):
@@ -137,7 +195,8 @@ def export_easyedit(
 
     With ``dataset`` the files go to ``folder/<dataset>/<method folder>/`` (the tree EasyEdit2's generators
     write, e.g. ``out/sst2/caa_vector/layer_12.pt``); without it ``folder`` is the method folder itself (what
-    EasyEdit2's ``steer_vector_load_dir`` points at).
+    EasyEdit2's ``steer_vector_load_dir`` points at). The method folder is written whole and renamed into place,
+    replacing an earlier export there (a folder holding other files is refused).
 
     Args:
         source: A ``PeftModel``/``SteeringModel`` with the adapter, or a ``{layer: vector}`` dict.
@@ -152,10 +211,15 @@ def export_easyedit(
 
     Returns:
         The written paths.
+
+    Raises:
+        ConfigError: For an adapter whose operator is not ``add`` (EasyEdit2 only adds vectors), or an output
+            folder that is a file or holds other files than layer files.
     """
     vectors, meta = _vectors_of(source, adapter_name, scaled)
     if not vectors:
         raise ValueError("nothing to export: no steering vectors")
+    _check_exportable(meta, "EasyEdit2", ("all", "from_last_prompt"), scaled)
     method = method or easyedit_method_of(meta.get("method"), meta.get("read_position"))
     if method not in EASYEDIT_FOLDERS:
         raise ConfigError(f"EasyEdit2 method must be one of {', '.join(EASYEDIT_FOLDERS)}; got {method!r}")
@@ -165,28 +229,19 @@ def export_easyedit(
         if not dataset or "/" in dataset or dataset in (".", ".."):
             raise ConfigError(f"dataset must be a plain folder name (EasyEdit2's dataset name); got {dataset!r}")
         folder = folder / dataset / subdir
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = Path(os.path.abspath(folder.expanduser()))
+    _check_output_folder(folder)
     dtype = dtype or meta.get("dtype")
-    paths = []
-    for layer, v in sorted(vectors.items()):
-        # A bare, contiguous 1-D CPU tensor: what EasyEdit2 saves (no dict, no metadata).
-        tensor = v.reshape(-1).to(dtype or v.dtype).contiguous().clone()
-        path = folder / pattern.format(layer=layer)
-        atomic_write(path, lambda tmp, t=tensor, name=path.name: _torch_save_as(t, tmp, name))
-        paths.append(path)
-    return paths
-
-
-def _torch_save_as(tensor: torch.Tensor, tmp: str, name: str) -> None:
-    """``torch.save`` into ``tmp`` as if saved under ``name``.
-
-    torch names the zip archive's root folder after the file it writes (``layer_12.pt`` -> ``layer_12/``), as in
-    EasyEdit2's files; saving under the temporary name would record that name instead.
-    """
-    with tempfile.TemporaryDirectory(dir=Path(tmp).parent, prefix=".easyedit.") as staging:
-        target = Path(staging) / name
-        torch.save(tensor, target)
-        os.replace(target, tmp)
+    names = {layer: pattern.format(layer=layer) for layer in vectors}
+    # The whole folder is written beside its place and renamed onto it: a failure midway leaves the earlier folder
+    # (or none), and layer files of an earlier export with other layers do not stay behind to be imported with these.
+    with atomic_directory(folder, overwrite=True) as staging:
+        for layer, v in sorted(vectors.items()):
+            # A bare, contiguous 1-D CPU tensor: what EasyEdit2 saves (no dict, no metadata). Saved under its final
+            # name, so torch names the zip archive's root folder `layer_{L}/` as in EasyEdit2's files.
+            tensor = v.reshape(-1).to(dtype or v.dtype).contiguous().clone()
+            torch.save(tensor, staging / names[layer])
+    return [folder / names[layer] for layer in sorted(vectors)]
 
 
 def _is_method_folder(path: Path) -> bool:
@@ -322,14 +377,20 @@ def load_easyedit(
 def export_gguf(source, path: str | os.PathLike, adapter_name: str = "default", model_hint: str | None = None) -> Path:
     """Writes a repeng/llama.cpp control-vector GGUF (needs the optional ``gguf`` package).
 
-    Tensors are ``direction.{L}`` with the multiplier folded in (llama.cpp's ``--control-vector-scaled``
-    scales them again). llama.cpp rejects layer 0, as repeng never produces it.
+    Tensors are ``direction.{L}`` (1-D F32, the output of block ``L``, where llama.cpp adds ``direction.{L}``)
+    with the multiplier folded in (llama.cpp's ``--control-vector-scaled`` scales them again). llama.cpp refuses
+    the whole file when it holds ``direction.0`` (it never steers block 0's output; repeng never writes it): a
+    warning says so here, and ``peftplug steering export-gguf`` refuses such an adapter.
 
     Args:
         source: A ``PeftModel``/``SteeringModel`` with the adapter, or a ``{layer: vector}`` dict.
-        path: Output ``.gguf`` path.
+        path: Output ``.gguf`` path (its folder is created).
         adapter_name: Adapter to export.
         model_hint: ``controlvector.model_hint`` (default: the adapter's model_type).
+
+    Raises:
+        ConfigError: For an adapter whose operator is not ``add`` (llama.cpp only adds control vectors), or a
+            ``path`` that is a folder or lies under a file.
     """
     try:
         import gguf
@@ -338,7 +399,16 @@ def export_gguf(source, path: str | os.PathLike, adapter_name: str = "default", 
     vectors, meta = _vectors_of(source, adapter_name, scaled=True)
     if not vectors:
         raise ValueError("nothing to export: no steering vectors")
-    path = Path(path)
+    _check_exportable(meta, "llama.cpp", ("all",), scaled=True)
+    if 0 in vectors:
+        warnings.warn("layer 0 is written as direction.0, which llama.cpp refuses (with the whole file): it never "
+                      "steers block 0's output; drop layer 0 for llama.cpp", stacklevel=2)
+    path = Path(path).expanduser()
+    above = nearest_existing(path.parent)
+    if path.is_dir() or not above.is_dir():
+        raise ConfigError(f"cannot write the GGUF file {path}: {path if path.is_dir() else above} is a "
+                          f"{'folder' if path.is_dir() else 'file'}; give a file path such as cv.gguf")
+    path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(tmp: str) -> None:
         writer = gguf.GGUFWriter(tmp, "controlvector")
@@ -359,12 +429,22 @@ def import_gguf(path: str | os.PathLike) -> dict[int, torch.Tensor]:
 
     Args:
         path: The ``.gguf`` file.
+
+    Raises:
+        MissingFileError: If ``path`` is not a file.
+        CheckpointError: If it is not a GGUF file.
     """
     try:
         import gguf
     except ImportError as err:
         raise ImportError("GGUF import needs the optional `gguf` package: pip install gguf") from err
-    reader = gguf.GGUFReader(str(path))
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"control-vector GGUF {path} does not exist or is not a file")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as err:
+        raise CheckpointError(f"{path} is not a readable GGUF file: {str(err).strip() or type(err).__name__}") from None
     out = {}
     for tensor in reader.tensors:
         match = re.match(r"^direction\.(\d+)$", tensor.name)
