@@ -28,17 +28,32 @@ def load_recipe(path: str) -> dict:
         path: The YAML file.
 
     Raises:
-        ValueError: If the file is missing or is not a YAML mapping.
+        ValueError: If the file is missing, is not valid UTF-8 YAML, is not a YAML mapping, or is a
+            ``peftplug fit`` recipe (``data:`` and no ``sources:``).
     """
     import yaml
 
     if not os.path.isfile(path):
         raise ValueError(f"--config: recipe file {path!r} does not exist")
-    with open(path) as f:
-        recipe = yaml.safe_load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            recipe = yaml.safe_load(f)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--config {path!r} is not a text file (byte {err.object[err.start]:#04x} at offset "
+                         f"{err.start}); expected a YAML recipe") from None
+    except yaml.YAMLError as err:  # a traceback before: yaml's error is no ValueError
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or " ".join(str(err).split())
+        raise ValueError(f"--config {path!r} is not valid YAML{where} ({problem})") from None
     if not isinstance(recipe, Mapping):
         kind = type(recipe).__name__
         raise ValueError(f"{path}: a multi-source recipe must be a YAML mapping, got {kind}")  # noqa: TRY004
+    if "data" in recipe and "sources" not in recipe:
+        # The other way round from `peftplug fit`'s refusal of a multi-source recipe.
+        raise ValueError(f"--config {path!r} is a `peftplug fit` recipe (it has `data:`, no `sources:`); "
+                         "train-sources takes a multi-source recipe (e.g. recipes/prompt_transfer/minilm_sources.yaml); "
+                         f"run this one with `peftplug fit --config {path}`")
     return dict(recipe)
 
 
@@ -97,6 +112,7 @@ def train_sources(recipe: Mapping, out_dir: str | None = None, decompose: bool =
     if out_dir is not None:
         recipe["out_dir"] = out_dir
     recipe = validate_sources_recipe(recipe)
+    check_recipe_outputs(recipe)
     out = recipe["out_dir"]
     log_root = recipe["trainer"].get("default_root_dir") or os.path.join("runs", "pct_sources")
     summary: dict = {"sources": {}}
@@ -141,6 +157,23 @@ def train_sources(recipe: Mapping, out_dir: str | None = None, decompose: bool =
         summary["decomposition"] = {"out": dec_settings["out"], "rank": dec.rank}
     atomic_write_text(os.path.join(out, "sources.json"), json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def check_recipe_outputs(recipe: Mapping) -> None:
+    """Refuses, before the first source trains, an ``out_dir`` or ``decompose.out`` that cannot be a folder.
+
+    Otherwise the export of the first source, or the decomposition after the last one, ended the run with a
+    ``NotADirectoryError`` traceback after minutes of training.
+
+    Args:
+        recipe: A validated multi-source recipe.
+
+    Raises:
+        ConfigError: Naming the field and the file in the way.
+    """
+    check_out_dir(recipe["out_dir"], "out_dir")
+    if recipe.get("decompose"):
+        check_out_dir(recipe["decompose"]["out"], "decompose.out")
 
 
 def default_source_names(adapters: list[str]) -> list[str]:
@@ -200,6 +233,8 @@ def check_sources(adapters: list[str], names: list[str] | None) -> None:
         seen[real] = path
     names = names or []
     for i, name in enumerate(names):
+        if not name.strip():  # saved as is, the target stage (PCTConfig.source_names) refused it only later
+            raise ValueError(f"--names: source {i + 1} has an empty name; give each source a non-empty name")
         if name in names[:i]:
             raise ValueError(f"--names: {name!r} is given to sources {names.index(name) + 1} and {i + 1}; "
                              "each source needs its own name")
@@ -299,7 +334,8 @@ def _run(argv: list[str]) -> int:
 
         try:  # a bad recipe is a usage error: one line and exit status 2, before any model loads
             recipe = load_recipe(args.config)
-            validate_sources_recipe({**recipe, **({"out_dir": args.out_dir} if args.out_dir else {})})
+            check_recipe_outputs(validate_sources_recipe({**recipe,
+                                                          **({"out_dir": args.out_dir} if args.out_dir else {})}))
         except ValueError as err:
             parser.error(str(err))
         summary = train_sources(recipe, out_dir=args.out_dir, decompose=not args.no_decompose)

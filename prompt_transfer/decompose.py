@@ -142,6 +142,10 @@ def _stack(prompts: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]) -> tupl
         names = [f"source_{i}" for i in range(len(tensors))]
     if not tensors:
         raise ValueError("prompts is empty: decompose needs at least one source prompt")
+    for name in names:
+        # They become PCTConfig.source_names, which refuses anything else: better here than at the target stage.
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"prompts: every source name must be a non-empty string, got {name!r}")
     shapes = [tuple(t.shape) for t in tensors]
     for name, t in zip(names, tensors):
         if t.dim() != 2:
@@ -245,7 +249,8 @@ def decompose(
         The :class:`Decomposition`.
 
     Raises:
-        ValueError: On an empty list, prompts of different shapes, non-finite values or out-of-range settings.
+        ValueError: On an empty list, prompts of different shapes, non-finite values, out-of-range settings or
+            a source name that is not a non-empty string.
     """
     x3, names = _stack(prompts)
     k, length, dim = x3.shape

@@ -32,7 +32,7 @@ def export_prompt_tuning(model, out_dir: str, adapter_name: str | None = None, k
     Args:
         model: A ``PeftModel`` with a PCT adapter.
         out_dir: Output directory (created if missing). It must not hold a PCT adapter (a folder written by
-            ``save_pretrained``): the export would replace it.
+            ``save_pretrained``) or any other adapter but an earlier export: the export would replace it.
         adapter_name: The PCT adapter (default: the active one).
         keep_pct_state: Also save the full PCT adapter into ``out_dir/pct_state`` (for resuming).
 
@@ -40,7 +40,8 @@ def export_prompt_tuning(model, out_dir: str, adapter_name: str | None = None, k
         ``out_dir``.
 
     Raises:
-        ValueError: If the adapter is not a PCT adapter, or ``out_dir`` holds a PCT adapter.
+        ValueError: If the adapter is not a PCT adapter, or ``out_dir`` holds an adapter other than an earlier
+            export.
     """
     from peft.utils import get_peft_model_state_dict
 
@@ -77,8 +78,8 @@ def _check_export_dir(out_dir: str, source_dir: str | None = None) -> None:
         source_dir: The saved PCT adapter being exported, if it is on disk.
 
     Raises:
-        ValueError: If ``out_dir`` holds a PCT adapter (e.g. it is ``source_dir``), or ``source_dir`` lies inside
-            ``out_dir/pct_state``, which the export replaces.
+        ValueError: If ``out_dir`` holds a PCT adapter (e.g. it is ``source_dir``) or another adapter that is not an
+            earlier export, or ``source_dir`` lies inside ``out_dir/pct_state``, which the export replaces.
     """
     import json
 
@@ -94,11 +95,27 @@ def _check_export_dir(out_dir: str, source_dir: str | None = None) -> None:
                 source_dir, out_dir) else "holds a PCT adapter"
             raise ValueError(f"the export directory {out_dir} {what}; exporting into it would overwrite that "
                              "adapter with a plain prompt-tuning one: choose another output directory")
+        if peft_type is not None and not _is_pct_export(out_dir):
+            # Any other adapter (a source prompt, a LoRA) was silently replaced by the target prompt before; only an
+            # earlier export, which this one is meant to update, may be written over.
+            raise ValueError(f"the export directory {out_dir} holds a {peft_type} adapter that is not an earlier PCT "
+                             "export; exporting into it would overwrite that adapter: choose another output directory")
     if source_dir is not None:
         state_dir = os.path.realpath(os.path.join(out_dir, PCT_STATE_DIR))
         if os.path.commonpath([state_dir, os.path.realpath(source_dir)]) == state_dir:
             raise ValueError(f"{source_dir} is the PCT state kept in the export directory {out_dir}, which the "
                              "export replaces: copy it elsewhere first or choose another output directory")
+
+
+def _is_pct_export(out_dir: str) -> bool:
+    """Whether ``out_dir``'s weights were written by an export (their safetensors metadata says so)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(os.path.join(out_dir, "adapter_model.safetensors"), framework="pt") as f:
+            return (f.metadata() or {}).get("exported_from") == "PCT"
+    except Exception:  # noqa: BLE001  (missing or unreadable: not an export's)
+        return False
 
 
 def _same_dir(a: str, b: str) -> bool:
