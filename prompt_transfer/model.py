@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.tuners_utils import BasePromptEncoder
 
+from peftplug.errors import MissingFileError
 from prompt_transfer.decompose import info_nce, load_decomposition, model_id
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,16 @@ class PCTFusion(torch.nn.Module):
         self._add("key_offsets", torch.zeros(num_sources, token_dim), trainable=fusion == "attention")
         self._add("residual", torch.zeros(num_virtual_tokens, token_dim), trainable=trainable_residual)
         self.loaded = False
+        #: The decomposition folder the config named (for the message when nothing was loaded).
+        self.decomposition_path: str | None = None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        """torch's ``load_state_dict`` (a Lightning checkpoint restored, ``PeftModule.load_from_checkpoint``,
+        ``peftplug export --ckpt_path``) brings ``P_0`` and ``S_k`` in as PEFT's loader does: they are then loaded,
+        whether or not the decomposition folder still exists."""
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if prefix + "p0" in state_dict and prefix + "specific" in state_dict:
+            self.loaded = True
 
     def _add(self, name: str, value: torch.Tensor, trainable: bool) -> None:
         if trainable:
@@ -81,9 +92,13 @@ class PCTFusion(torch.nn.Module):
     def task_specific(self) -> torch.Tensor:
         """The target's task-specific part ``sum_k a_k S_k + R``, ``[l, d]``."""
         if not self.loaded:
-            raise RuntimeError(
-                "PCT prompt encoder has no source decomposition: the decomposition_path was missing when the "
-                "adapter was created and no saved PCT state was loaded"
+            # Raised at first use, not when the adapter is built: load_pct_for_training and checkpoint restores
+            # build it first and load P_0 and S_k afterwards.
+            path = self.decomposition_path
+            where = "is not set" if path is None else f"{path!r} does not exist"
+            raise MissingFileError(
+                f"PCTConfig.decomposition_path {where} and no saved PCT state was loaded: run the source stage "
+                f"first (peftplug pct train-sources, or peftplug pct decompose --out {path or 'FOLDER'})"
             )
         return torch.einsum("k,kld->ld", self.attention(), self.specific) + self.residual
 
@@ -131,6 +146,7 @@ class PCTPromptEncoder(BasePromptEncoder):
             trainable_residual=config.trainable_residual,
         )
         path = config.decomposition_path
+        self.embedding.decomposition_path = path
         if path is not None:
             import os
 

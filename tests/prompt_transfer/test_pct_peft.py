@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import prompt_transfer as pt
+from peftplug.errors import MissingFileError
 
 FAMILIES = [("llama", "causal_lm", "CAUSAL_LM"), ("qwen2", "causal_lm", "CAUSAL_LM"),
             ("gpt2", "causal_lm", "CAUSAL_LM"), ("bert", "seq_cls", "SEQ_CLS"), ("t5", "seq2seq", "SEQ_2_SEQ_LM")]
@@ -146,5 +147,21 @@ def test_config_errors(tiny_model, dec_dir, tmp_path):
 def test_pct_state_is_required_when_decomposition_missing(tiny_model, tokenizer, tmp_path):
     cfg = pt.PCTConfig(task_type="CAUSAL_LM", num_virtual_tokens=L, num_sources=2)
     model = peft.get_peft_model(tiny_model("llama"), cfg)
-    with pytest.raises(RuntimeError, match="no source decomposition"):
+    with pytest.raises(MissingFileError, match="decomposition_path is not set and no saved PCT state was loaded"):
         model(**_batch(tokenizer, "causal_lm"))
+
+
+def test_a_state_dict_with_the_sources_makes_the_prompt_usable(tiny_model, tokenizer, tmp_path):
+    # torch's load_state_dict (a Lightning checkpoint, load_from_checkpoint, export --ckpt_path) brings P_0 and S_k
+    # as PEFT's loader does; once the decomposition folder was gone, such a restore failed at the first forward.
+    path = tmp_path / "dec"
+    trained = peft.get_peft_model(tiny_model("llama"), pt.PCTConfig(task_type="CAUSAL_LM", num_virtual_tokens=L,
+                                                                     num_sources=2))
+    with torch.no_grad():
+        trained.prompt_encoder["default"].embedding.set_sources(torch.randn(L, 64), torch.randn(2, L, 64))
+    fresh = peft.get_peft_model(tiny_model("llama"), pt.PCTConfig(task_type="CAUSAL_LM", num_virtual_tokens=L,
+                                                                   num_sources=2, decomposition_path=str(path)))
+    fresh.load_state_dict(trained.state_dict())
+    batch = _batch(tokenizer, "causal_lm")
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(**batch).logits, trained(**batch).logits)
