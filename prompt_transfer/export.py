@@ -173,6 +173,10 @@ def _write_prompt_tuning(out_dir: str, config, state: dict, prompt: torch.Tensor
         os.replace(os.path.join(tmp, "adapter_config.json"), os.path.join(out_dir, "adapter_config.json"))
 
 
+#: A saved adapter's own files, which the export writes itself (the rest of the folder is copied beside them).
+_ADAPTER_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "README.md"})
+
+
 def export_adapter_dir(pct_dir: str, out_dir: str, keep_pct_state: bool = True) -> str:
     """File-to-file export of a saved PCT adapter (no base model needed: the prompt depends only on PCT's state).
 
@@ -209,6 +213,13 @@ def export_adapter_dir(pct_dir: str, out_dir: str, keep_pct_state: bool = True) 
                 shutil.copy2(os.path.join(pct_dir, fname), os.path.join(staging, fname))
 
     _write_export(out_dir, config, state, prompt, copy_state if keep_pct_state else None)
+    # What `peftplug export` writes beside the adapter (peftplug_base.json: the base's quantization and dtype; the
+    # tokenizer) goes to the top level too: peftplug.load_adapter(name, export) reads them there, and without the
+    # record it loaded a float32 unquantized base for an nf4- or bf16-trained target.
+    for fname in sorted(os.listdir(pct_dir)):
+        src = os.path.join(pct_dir, fname)
+        if os.path.isfile(src) and fname not in _ADAPTER_FILES:
+            atomic_write(os.path.join(out_dir, fname), lambda tmp, src=src: shutil.copy2(src, tmp))
     return out_dir
 
 

@@ -179,7 +179,10 @@ def test_pct_through_peftplug_lightning_module(tiny_model, tokenizer, tmp_path):
     with torch.no_grad():
         live = module.model(**batch).logits
     module.model.save_pretrained(str(tmp_path / "pct"))
+    # What `peftplug export` puts beside the adapter reaches the export's top level (load_adapter reads it there).
+    (tmp_path / "pct" / "peftplug_base.json").write_text('{"marker": 1}')
     pt.export_adapter_dir(str(tmp_path / "pct"), str(tmp_path / "plain"))
+    assert (tmp_path / "plain" / "peftplug_base.json").read_text() == '{"marker": 1}'
     vanilla = peft.PeftModel.from_pretrained(tiny_model("llama"), str(tmp_path / "plain"))
     with torch.no_grad():
         torch.testing.assert_close(vanilla(**batch).logits, live, atol=1e-6, rtol=1e-6)
