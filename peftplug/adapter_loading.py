@@ -32,15 +32,29 @@ def _base_settings(path: str | os.PathLike, quantization: str | None, dtype: str
     if record is None:
         return quantization or "none", dtype or "float32"
     given = {"quantization": quantization, "dtype": dtype}
-    differing = [field for field, value in given.items() if value is not None and value != record[field]]
-    if differing:
-        # Loading onto another base may be meant (a float32 copy of an nf4-trained adapter), so a warning, not an error.
-        asked = ", ".join(f"{field}={given[field]!r}" for field in differing)
-        recorded = ", ".join(f"{field}={record[field]!r}" for field in differing)
-        warnings.warn(f"adapter {str(path)!r} was trained on {record['model']!r} with {recorded} (its {BASE_RECORD}); "
-                      f"loading it with {asked} as asked, which is another model than the trained one (leave them "
-                      "out to load the recorded base)", UserWarning, stacklevel=3)
+    # Loading onto another base may be meant (a float32 copy of an nf4-trained adapter), so a warning, not an error.
+    _warn_other_base(path, record, given, "loading it with {} as asked, which is", "leave them out to load the "
+                     "recorded base")
     return quantization or record["quantization"], dtype or record["dtype"]
+
+
+def _warn_other_base(path: str | os.PathLike, record: dict, have: dict[str, str | None], says: str,
+                     remedy: str) -> None:
+    """Warns, naming both sides, where ``have`` differs from the folder's base record (``None``: not known).
+
+    Args:
+        path: The adapter folder.
+        record: Its ``peftplug_base.json``.
+        have: ``quantization`` / ``dtype`` of the base being loaded.
+        says: What the differing values are, with ``{}`` where they go.
+        remedy: How to get the recorded base.
+    """
+    differing = [f for f in ("quantization", "dtype") if have.get(f) is not None and have[f] != record[f]]
+    if differing:
+        recorded = ", ".join(f"{field}={record[field]!r}" for field in differing)
+        found = ", ".join(f"{field}={have[field]!r}" for field in differing)
+        warnings.warn(f"adapter {str(path)!r} was trained on {record['model']!r} with {recorded} (its {BASE_RECORD}); "
+                      f"{says.format(found)} another model than the trained one ({remedy})", UserWarning, stacklevel=4)
 
 
 def _built_settings(model: Any) -> dict[str, str | None]:
@@ -75,13 +89,7 @@ def _check_built_base(path: str | os.PathLike, model: Any) -> None:
     if record is None:
         return
     have = _built_settings(model.get_base_model() if hasattr(model, "get_base_model") else model)
-    differing = [f for f in ("quantization", "dtype") if have[f] is not None and have[f] != record[f]]
-    if differing:
-        recorded = ", ".join(f"{field}={record[field]!r}" for field in differing)
-        found = ", ".join(f"{field}={have[field]!r}" for field in differing)
-        warnings.warn(f"adapter {str(path)!r} was trained on {record['model']!r} with {recorded} (its {BASE_RECORD}); "
-                      f"the model given has {found}, another model than the trained one (pass the model name to "
-                      "load the recorded base)", UserWarning, stacklevel=3)
+    _warn_other_base(path, record, have, "the model given has {},", "pass the model name to load the recorded base")
 
 
 #: How ``PeftModel.from_pretrained`` words its warning about adapter tensors the file did not hold.
