@@ -67,6 +67,11 @@ class Generator:
             # Trained on plain prompt/response rows (CausalLMData): prompt it with plain text too, not the template.
             self.plain = (checkpoint.get(CHECKPOINT_KEY) or {}).get("prompts") == "plain"
             task = (checkpoint.get("hyper_parameters") or {}).get("task", "causal_lm")
+            if task == "seq2seq":  # an encoder-decoder answers through its own generate, which predict runs
+                raise ConfigError(
+                    f"checkpoint {str(ckpt_path)!r} is a seq2seq (encoder-decoder) model; generate and chat need a "
+                    f"causal_lm checkpoint; generate its answers with `peftplug predict --config <its recipe> "
+                    f"--ckpt_path {ckpt_path}` (the prompts of its data's test, else validation, split)")
             if task != "causal_lm":  # said before the base model loads, and with what classifies instead
                 raise ConfigError(
                     f"checkpoint {str(ckpt_path)!r} is a {task} model: it gives class ids, not text, and generate "

@@ -17,7 +17,7 @@ class CausalLMData(TokenizedDataModule):
 
     For ``causal_lm`` the prompt and response are concatenated and only response tokens (plus EOS) carry loss;
     for ``seq2seq`` the prompt is the encoder input and the response the target. Plain text (``text_column``)
-    trains on every token (causal LM only).
+    trains on every token (causal LM only: a seq2seq model refuses it, as it would learn to copy its input).
 
     Args:
         train_file: Training file (JSON, JSONL, CSV, TSV or Parquet).
@@ -26,7 +26,7 @@ class CausalLMData(TokenizedDataModule):
         text_column: Column of plain text; used when ``prompt_column`` is ``None``.
         prompt_column: Column of prompts (instruction data).
         response_column: Column of responses (instruction data).
-        task: ``causal_lm`` or ``seq2seq``; default: the model's task.
+        task: ``causal_lm`` or ``seq2seq``; default: the model's task, which a set value must equal.
         val_fraction: Fraction of the training file used for validation when there is no validation file.
         tokenizer: Tokenizer name/path; defaults to the model's.
         max_length: Maximum tokens per example (prompt + response for causal LMs).
@@ -71,8 +71,12 @@ class CausalLMData(TokenizedDataModule):
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         if task == "seq2seq":
             source = tokenizer(prompt, truncation=True, max_length=self.max_length)["input_ids"]
-            target = tokenizer(response if response is not None else prompt, truncation=True,
-                               max_length=self.max_length)["input_ids"]
+            if not source:
+                # An empty encoder input crashed T5's attention mid-run (a reshape of 0 elements), and beside other
+                # rows it was all padding, so its loss depended on its batch. T5's own tokenizer gives "" its EOS.
+                raise DataError("the prompt gives no tokens: a seq2seq model's encoder needs at least one input "
+                                "token (this tokenizer adds none to an empty prompt); write a prompt")
+            target = tokenizer(response, truncation=True, max_length=self.max_length)["input_ids"]
             if eos and (not target or target[-1] != eos[0]):
                 # Generation stops at EOS, so targets must end in it (T5's tokenizer adds it, others may not).
                 target = (target + eos)[-self.max_length:] if len(target) < self.max_length else target[:-1] + eos
@@ -98,10 +102,20 @@ class CausalLMData(TokenizedDataModule):
         if self.splits:
             return
         tokenizer = self.resolve_tokenizer()
-        task = self.task or getattr(self._module(), "task", None) or "causal_lm"
+        model_task = getattr(self._module(), "task", None)
+        if self.task is not None and model_task is not None and self.task != model_task:
+            # Causal-LM rows (prompt + answer in input_ids) trained a seq2seq model to copy the answer its encoder
+            # sees, silently; seq2seq rows crashed a causal LM with a traceback.
+            raise ConfigError(f"data.task is {self.task!r} but model.task is {model_task!r}: set data.task to "
+                              f"{model_task!r}, or leave it null to follow the model")
+        task = self.task or model_task or "causal_lm"
         if task not in ("causal_lm", "seq2seq"):
             raise ConfigError(f"CausalLMData serves causal_lm or seq2seq models, not {task!r}")
         instruction = self.prompt_column is not None
+        if task == "seq2seq" and not instruction:
+            # The text was both the source and the target: a seq2seq model learnt to copy its input, silently.
+            raise ConfigError("data.text_column (plain text) serves causal_lm models only; a seq2seq model needs "
+                              "data.prompt_column (its encoder input) and data.response_column (its target)")
         columns = [self.prompt_column, self.response_column] if instruction else [self.text_column]
         raw = read_splits(self.files, columns, self.val_fraction, self.seed, text_columns=columns)
         for split, cols in raw.items():
