@@ -59,6 +59,15 @@ class SteeringModel(UpgradesLegacyKeys, BaseTuner):
                 f"SteeringConfig.layers {bad} out of range: the model has {len(blocks)} decoder blocks "
                 f"(valid indices 0..{len(blocks) - 1})"
             )
+        if (model_config.get("is_encoder_decoder") and peft_config.positions in ("generated", "from_last_prompt")
+                and not path.startswith(("decoder", "model.decoder"))):
+            # The encoder never sees generated tokens: such a vector steered nothing, silently (T5: outputs equal
+            # to the base model's at multiplier 50).
+            raise ValueError(
+                f"SteeringConfig.positions={peft_config.positions!r} steers generated tokens, but on this "
+                f"encoder-decoder model the layers index the encoder's blocks ({path!r}), which never see them; use "
+                "positions 'all' or 'prompt', or blocks_path to the decoder's blocks"
+            )
         hidden = hidden_size_of(self.model)
         if peft_config.hidden_size is not None and hidden is not None and peft_config.hidden_size != hidden:
             raise ValueError(

@@ -252,3 +252,19 @@ def test_cli_fits_a_seq2seq_recipe_and_generate_refuses_its_checkpoint_in_one_li
     err = capsys.readouterr().err.strip()
     assert err.startswith("peftplug: error: ") and "seq2seq" in err and "\n" not in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("positions", ["generated", "from_last_prompt"])
+def test_steering_generated_tokens_of_an_encoder_decoder_is_refused(positions):
+    # The layers index the encoder's blocks, which never see a generated token: such a vector steered nothing
+    # (T5's outputs equal the base model's at multiplier 50), silently.
+    import peft
+
+    from peftplug.tiny import tiny_model
+    from steering import SteeringConfig
+
+    with pytest.raises(ValueError, match="encoder-decoder model the layers index the encoder's blocks"):
+        peft.get_peft_model(tiny_model("t5", "seq2seq"),
+                            SteeringConfig(layers=[0], positions=positions, task_type="SEQ_2_SEQ_LM"))
+    peft.get_peft_model(tiny_model("t5", "seq2seq"),
+                        SteeringConfig(layers=[0], positions="all", task_type="SEQ_2_SEQ_LM"))
