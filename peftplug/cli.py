@@ -143,6 +143,7 @@ def _cli_classes():
     from peftplug.checkpoint_io import install_atomic_checkpoint_io
     from peftplug.interrupt import GracefulInterrupt
     from peftplug.lightning import PeftModule
+    from peftplug.predictions import check_predict_output, check_runs_batches, emit_predictions
     from peftplug.trainer_checks import check_trainer_settings
 
     class SafeSaveConfigCallback(SaveConfigCallback):
@@ -340,6 +341,10 @@ def _cli_classes():
                 "--evaluate_after_fit", type=bool, default=False,
                 help="After fit, test on the held-out split and print 'held-out <metric>: <value>' last.",
             )
+            parser.add_argument(
+                "--predictions_file", type=str | None, default=None,
+                help="predict: write the predictions to this file (JSON Lines, atomically) instead of stdout.",
+            )
 
         def instantiate_trainer(self, **kwargs: Any) -> Any:
             """Checks the device settings, adds a Rich progress bar (unless the config has one or disables it) and
@@ -392,6 +397,31 @@ def _cli_classes():
                 # PeftModule logs nothing when no example had a target token: say so rather than print nothing.
                 return "evaluation", None
             return None
+
+        def before_validate(self) -> None:
+            """Refuses a validate that would run no batch (:func:`peftplug.predictions.check_runs_batches`)."""
+            check_runs_batches(self.trainer, "validate")
+
+        def before_test(self) -> None:
+            """Refuses a test that would run no batch (:func:`peftplug.predictions.check_runs_batches`)."""
+            check_runs_batches(self.trainer, "test")
+
+        def before_predict(self) -> None:
+            """Refuses a predict that would run no batch or could not write its predictions, before it runs."""
+            check_runs_batches(self.trainer, "predict")
+            check_predict_output(self.trainer, self._get(self.config, "predictions_file", default=None))
+
+        def predict(self, **kwargs: Any) -> None:
+            """Lightning's predict, whose predictions are then printed or written (:mod:`peftplug.predictions`).
+
+            Args:
+                **kwargs: Passed to ``Trainer.predict``.
+            """
+            batches = self.trainer.predict(**{**kwargs, "return_predictions": True})
+            path = self._get(self.config, "predictions_file", default=None)
+            count = emit_predictions(batches, self.datamodule, path)
+            if path is not None:
+                print(f"peftplug: wrote {count} predictions to {path}", file=sys.stderr, flush=True)
 
         def before_fit(self) -> None:
             """Tests on the held-out split first when ``--evaluate_before_fit`` is set (reported after fit)."""
