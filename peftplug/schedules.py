@@ -164,8 +164,62 @@ def _check_peak(max_lr: Any, optimizer: torch.optim.Optimizer, field: str) -> No
                           f"--{field}.init_args.max_lr {lr:g}, or drop the schedule with --{field} null")
 
 
+COMPOSITES = (torch.optim.lr_scheduler.SequentialLR, torch.optim.lr_scheduler.ChainedScheduler)
+
+
+def _parts(scheduler: Any, length: float, start: int = 0, label: str = "") -> list[tuple[Any, float, int, str]]:
+    """The schedulers a run of ``length`` steps, each with its share of the run: ``(scheduler, length, start,
+    label)``. A ``SequentialLR`` hands the run to its schedulers in turn (the i-th from its milestone, restarted at 0,
+    until the next), a ``ChainedScheduler`` steps all of them through the whole run; a warm-up plus a decay is one of
+    these, and its decay runs out just as a bare one would.
+
+    Args:
+        scheduler: The built scheduler.
+        length: The steps (or epochs) the run steps it.
+        start: The run's step at which it starts (inside a ``SequentialLR``).
+        label: Where it sits in the composite, for messages (``"schedulers[1] "``).
+    """
+    if isinstance(scheduler, torch.optim.lr_scheduler.SequentialLR):
+        bounds = [0, *scheduler._milestones, math.inf]
+        return [part for i, inner in enumerate(scheduler._schedulers) if min(length, bounds[i + 1]) > bounds[i]
+                for part in _parts(inner, min(length, bounds[i + 1]) - bounds[i], start + bounds[i],
+                                   f"{label}schedulers[{i}] ")]
+    if isinstance(scheduler, torch.optim.lr_scheduler.ChainedScheduler):
+        return [part for i, inner in enumerate(scheduler._schedulers)
+                for part in _parts(inner, length, start, f"{label}schedulers[{i}] ")]
+    return [(scheduler, length, start, label)]
+
+
+def _outrun(scheduler: Any, run: RunLength) -> tuple[Any, str, float, int, str] | None:
+    """The first scheduler (``scheduler`` or one inside it) that runs out before its share of the run ends:
+    ``(scheduler, length argument, its share, the step it starts at, label)``, or ``None``."""
+    for part, need, start, label in _parts(scheduler, run.length):
+        base = next((b for b in OUTRUN if isinstance(part, b)), None)
+        if base is None:
+            continue
+        length = getattr(part, LENGTH_ARGUMENTS[base], None)
+        if length is not None and OUTRUN[base][1](part) and length < need:
+            return part, LENGTH_ARGUMENTS[base], need, start, label
+    return None
+
+
+def _outrun_message(scheduler: Any, found: tuple[Any, str, float, int, str], run: RunLength) -> tuple[str, str, str]:
+    """What runs out, how long it is stepped, and the ``--trainer`` flag that would fit the run to it."""
+    part, name, need, start, label = found
+    length = getattr(part, name)
+    limit = "max_epochs" if run.unit == "epochs" else "max_steps"
+    if not label:
+        return (f"{type(part).__name__} lasts {length} {run.unit}", f"this run takes {run.length} ({run.why})",
+                f"--trainer.{limit} {length}")
+    # Inside a composite its share of the run is what must fit (recipes cannot build these: Python factories do).
+    what = f"{type(scheduler).__name__}'s {label}({type(part).__name__}) lasts {length} {run.unit}"
+    takes = f"it runs for {need} of this run's {run.length}, from {run.unit[:-1]} {start} ({run.why})"
+    return what, takes, f"--trainer.{limit} {start + length}"
+
+
 def check_length(scheduler: Any, run: RunLength, field: str = "model.lr_scheduler") -> None:
-    """Refuses a scheduler that would run out before the run ends (see :data:`OUTRUN`).
+    """Refuses a scheduler that would run out before the run ends (see :data:`OUTRUN`), also one inside a
+    ``SequentialLR`` or ``ChainedScheduler`` (a warm-up then a decay) over its share of the run.
 
     Args:
         scheduler: The built scheduler.
@@ -175,19 +229,15 @@ def check_length(scheduler: Any, run: RunLength, field: str = "model.lr_schedule
     Raises:
         ConfigError: Naming the scheduler's length and the run's, and the two ways out.
     """
-    base = next((b for b in OUTRUN if isinstance(scheduler, b)), None)
-    if base is None:
+    found = _outrun(scheduler, run)
+    if found is None:
         return
-    why, applies = OUTRUN[base]
-    name = LENGTH_ARGUMENTS[base]
-    length = getattr(scheduler, name, None)
-    if length is None or not applies(scheduler) or length >= run.length:
-        return
-    limit = "max_epochs" if run.unit == "epochs" else "max_steps"
-    raise ConfigError(
-        f"{field}.init_args.{name}: {type(scheduler).__name__} lasts {length} {run.unit} but this run takes "
-        f"{run.length} ({run.why}); {why}. Set {name} to null to size it from the run, or "
-        f"--trainer.{limit} {length}")
+    what, takes, flag = _outrun_message(scheduler, found, run)
+    why, name = OUTRUN[next(b for b in OUTRUN if isinstance(found[0], b))][0], found[1]
+    if not found[4]:
+        raise ConfigError(f"{field}.init_args.{name}: {what} but {takes}; {why}. Set {name} to null to size it "
+                          f"from the run, or {flag}")
+    raise ConfigError(f"{field}: {what} but {takes}; {why}. Give it {name} {found[2]}, or {flag}")
 
 
 def check_resumed_length(scheduler: Any, trainer: Any, interval: str = "step", zeroth_order: bool = False,
@@ -209,18 +259,18 @@ def check_resumed_length(scheduler: Any, trainer: Any, interval: str = "step", z
     Raises:
         ConfigError: Naming the restored length, the run's, and the ways out.
     """
-    base = next((b for b in OUTRUN if isinstance(scheduler, b)), None)
-    if base is None or trainer is None or not getattr(trainer, "ckpt_path", None):
+    if scheduler is None or trainer is None or not getattr(trainer, "ckpt_path", None):
         return
-    length = getattr(scheduler, LENGTH_ARGUMENTS[base], None)
+    if not any(isinstance(scheduler, b) for b in (*OUTRUN, *COMPOSITES)):
+        return
     run = run_length(trainer, interval, zeroth_order)
-    if length is None or not OUTRUN[base][1](scheduler) or length >= run.length:
+    found = _outrun(scheduler, run)
+    if found is None:
         return
-    limit = "max_epochs" if run.unit == "epochs" else "max_steps"
-    raise ConfigError(
-        f"--ckpt_path {trainer.ckpt_path}: its {type(scheduler).__name__} lasts {length} {run.unit} (restored with "
-        f"the checkpoint) but this run takes {run.length} ({run.why}); {OUTRUN[base][0]}. Resume with "
-        f"--trainer.{limit} {length}, or start a new run from the checkpoint's adapter")
+    what, takes, flag = _outrun_message(scheduler, found, run)
+    why = OUTRUN[next(b for b in OUTRUN if isinstance(found[0], b))][0]
+    raise ConfigError(f"--ckpt_path {trainer.ckpt_path}: its {what} (restored with the checkpoint) but {takes}; "
+                      f"{why}. Resume with {flag}, or start a new run from the checkpoint's adapter")
 
 
 def build_lr_scheduler(factory: Callable[..., Any], optimizer: torch.optim.Optimizer, trainer: Any,
@@ -242,7 +292,7 @@ def build_lr_scheduler(factory: Callable[..., Any], optimizer: torch.optim.Optim
     if trainer is None:
         return factory(optimizer)
     cls, kwargs = _factory_class(factory)
-    needs_run = cls is not None and (issubclass(cls, tuple(LENGTH_ARGUMENTS)) or issubclass(cls, tuple(OUTRUN)))
+    needs_run = cls is not None and issubclass(cls, (*LENGTH_ARGUMENTS, *OUTRUN, *COMPOSITES))
     run = run_length(trainer, interval, zeroth_order) if cls is None or needs_run else None
     fill = _fill_in(cls, kwargs, optimizer, run, field, zeroth_order) if cls is not None and run is not None else {}
     scheduler = factory(optimizer, **fill)
@@ -251,5 +301,5 @@ def build_lr_scheduler(factory: Callable[..., Any], optimizer: torch.optim.Optim
     return scheduler
 
 
-__all__ = ["LENGTH_ARGUMENTS", "OUTRUN", "CosineAnnealingLR", "RunLength", "build_lr_scheduler", "check_length",
+__all__ = ["COMPOSITES", "LENGTH_ARGUMENTS", "OUTRUN", "CosineAnnealingLR", "RunLength", "build_lr_scheduler", "check_length",
            "check_resumed_length", "run_length"]
