@@ -38,6 +38,7 @@ from peftplug.loading import (
     load_tokenizer,
     peft_config_to_dict,
 )
+from peftplug.model_checks import check_tokenizer_fits
 from peftplug.nonfinite_steps import SkipsNonFiniteSteps
 from peftplug.peft_type_support import check_peft_type_support
 from peftplug.prompt_generation import generate_new_tokens
@@ -149,6 +150,8 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
             base = model
         else:
             raise ConfigError(f"model must be a name/path or a torch.nn.Module; got {type(model).__name__}")
+        if self.tokenizer is not None:  # ids past the embeddings would fail only at the first batch
+            check_tokenizer_fits(base, self.tokenizer, "model.tokenizer" if tokenizer is not None else "model")
 
         self.peft_config = None if peft is None else build_peft_config(peft, task)
         if self.peft_config is not None:

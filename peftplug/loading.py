@@ -28,15 +28,12 @@ bitsandbytes is asked for through :func:`peftplug.optional.bitsandbytes_availabl
 from __future__ import annotations
 
 import atexit
-import functools
 import hashlib
 import importlib
 import importlib.util
 import os
 import shutil
-import socket
 import tempfile
-import urllib.parse
 import warnings
 from pathlib import Path
 from typing import Any
@@ -45,7 +42,9 @@ import torch
 
 from peftplug.errors import ConfigError, MissingFileError, one_line
 from peftplug.fileio import usual_modes
+from peftplug.hub_access import cached_hub_snapshot, hub_offline, hub_unreachable
 from peftplug.methods import import_plugin_for
+from peftplug.model_checks import check_target_modules
 from peftplug.optional import bitsandbytes_available
 from peftplug.quantized_layout import keep_exact_4bit_layout
 
@@ -208,54 +207,6 @@ def _packaged_copy_hint(name: str) -> str:
     return f"; its packaged Q4_1 copy loads offline as model {copies[0]!r}"
 
 
-def hub_offline() -> bool:
-    """Whether the Hugging Face Hub is switched off, read as huggingface_hub reads it (``HF_HUB_OFFLINE``, else
-    ``TRANSFORMERS_OFFLINE``; ``1``, ``true``, ``yes`` or ``on`` in any case), at call time."""
-    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
-    return value.upper() in ("1", "ON", "YES", "TRUE")
-
-
-_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
-
-
-@functools.lru_cache(maxsize=4)
-def _unresolvable_host(endpoint: str) -> str | None:
-    """Why the host of ``endpoint`` cannot be resolved, or ``None`` if it can (asked once per process)."""
-    host = urllib.parse.urlparse(endpoint).hostname
-    if not host:
-        return None
-    try:
-        socket.getaddrinfo(host, 443)
-    except OSError as err:
-        return f"{host} cannot be resolved: {err.strerror or err}"
-    return None
-
-
-def hub_unreachable() -> str | None:
-    """Why the Hub surely cannot be reached (its host does not resolve and no proxy would resolve it), or ``None``.
-
-    Without this, huggingface_hub retries every file of an unknown name for ~45 s on a machine without network,
-    twice per load (tokenizer and model), before saying it could not connect.
-    """
-    if any(os.environ.get(key) for key in _PROXY_VARIABLES):
-        return None  # a proxy resolves the host itself
-    return _unresolvable_host(os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/"))
-
-
-def _cached_hub_snapshot(name: str) -> str | None:
-    """The folder of the Hugging Face cache that holds Hub model ``name`` (revision ``main``), or ``None``."""
-    from huggingface_hub import try_to_load_from_cache
-
-    for filename in ("config.json", "tokenizer_config.json"):
-        try:
-            found = try_to_load_from_cache(name, filename)
-        except ValueError:  # not a valid repo id
-            return None
-        if isinstance(found, str):
-            return os.path.dirname(found)
-    return None
-
-
 def _not_a_model_folder(name: str, path: str, wanted: tuple[str, ...], what: str) -> MissingFileError | None:
     """The error for a local folder ``path`` that has none of the files ``wanted``, or ``None``."""
     if not os.path.isdir(path) or any(os.path.isfile(os.path.join(path, f)) for f in wanted):
@@ -311,7 +262,7 @@ def resolve_model_path(name: str) -> str:
     if looks_like_hub_id and not (offline or unreachable):
         return name
     # Without the Hub, a model downloaded earlier still loads from the Hugging Face cache (as transformers does).
-    cached = _cached_hub_snapshot(name) if looks_like_hub_id else None
+    cached = cached_hub_snapshot(name) if looks_like_hub_id else None
     if cached is not None:
         return cached
     why = ("HF_HUB_OFFLINE=1 forbids the Hub" if offline else f"the Hub cannot be reached ({unreachable})"
@@ -319,8 +270,46 @@ def resolve_model_path(name: str) -> str:
     raise MissingFileError(
         f"model {name!r} not found: it is not a local directory, not 'tiny:<family>' or 'stories260k', not an "
         "installed packaged model (a Python package with get_model_path())"
-        + (", not in the Hugging Face cache" if looks_like_hub_id else "") + f", and {why}" + _packaged_copy_hint(name)
+        + (", not in the Hugging Face cache" if looks_like_hub_id else "") + f", and {why}"
+        + (_packaged_copy_hint(name) or _close_names_hint(name))
     )
+
+
+def _close_names_hint(name: str) -> str:
+    """``"; did you mean ...?"`` naming the model names peftplug resolves itself (and, for a path, the folders
+    beside it) that are close to a mistyped ``name``, or ``""``."""
+    import difflib
+
+    from peftplug.gguf_models import GGUF_MODELS
+    from peftplug.tiny import FAMILIES
+
+    known = [*GGUF_MODELS, *(f"tiny:{family}" for family in FAMILIES), STORIES260K]
+    close = difflib.get_close_matches(name.lower(), known, n=3, cutoff=0.75)
+    parent, base = os.path.split(os.path.expanduser(name).rstrip("/"))
+    folders = []
+    try:  # a mistyped last component of a local folder
+        with os.scandir(parent or ".") as entries:
+            folders = [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
+    except OSError:  # no such (or an unreadable) parent folder
+        pass
+    if base:
+        close += [os.path.join(os.path.dirname(name.rstrip("/")), f)
+                  for f in difflib.get_close_matches(base, folders, n=3, cutoff=0.75)]
+    return f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+
+
+def _remote_code_error(name: str, err: Exception) -> ConfigError | None:
+    """The one-line refusal of a model or tokenizer that needs its own Python code, or ``None`` for other errors.
+
+    Loads pass ``trust_remote_code=False`` unless the caller says otherwise: transformers' default (``None``) asks
+    "Do you wish to run the custom code? [y/N]" on the terminal, blocks up to 15 s, runs the folder's code on "y",
+    and otherwise raises a multi-line ValueError.
+    """
+    if "trust_remote_code" not in str(err):
+        return None
+    return ConfigError(f"model {name!r} needs Python code of its own (auto_map in its config.json or "
+                       "tokenizer_config.json), and peftplug loads models with trust_remote_code=False; use a model "
+                       "whose architecture the installed transformers implements")
 
 
 def quantization_config(quantization: str, compute_dtype: torch.dtype, task: str):
@@ -367,8 +356,10 @@ def load_tokenizer(name: str):
     if problem is not None:
         raise problem
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as err:
+        if _remote_code_error(name, err) is not None:
+            raise _remote_code_error(name, err) from None
         raise MissingFileError(f"cannot load a tokenizer for model {name!r}: {one_line(err, 300)}") from None
     if tokenizer.pad_token is None:
         # Decoder-only tokenizers often have no pad token; padding positions are masked anyway.
@@ -433,11 +424,14 @@ def load_model(
     bnb = quantization_config(quantization, DTYPES[dtype], task)
     if bnb is not None:
         kwargs["quantization_config"] = bnb
+    kwargs.setdefault("trust_remote_code", False)  # never transformers' interactive prompt (_remote_code_error)
     try:
         model = auto.from_pretrained(path, dtype=DTYPES[dtype], **kwargs)
     except OSError as err:
         raise MissingFileError(f"cannot load model {name!r}: {one_line(err, 300)}") from None
     except ValueError as err:
+        if _remote_code_error(name, err) is not None:
+            raise _remote_code_error(name, err) from None
         if "Unrecognized configuration class" in str(err) or "does not appear to have" in str(err):
             raise ConfigError(f"model {name!r} cannot be loaded for task {task!r}: {one_line(err, 300)}") from None
         if "Unrecognized model" in str(err) or "does not recognize this architecture" in str(err):
@@ -455,48 +449,6 @@ def load_model(
         # Freezes the body and casts every fp16/bf16 weight left unquantized (norms, embeddings, heads) to fp32.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return model
-
-
-def _leaf_module_names(model: torch.nn.Module) -> list[str]:
-    """Distinct last name components of modules that hold weights (what ``target_modules`` usually names)."""
-    names = set()
-    for full_name, module in model.named_modules():
-        if full_name and not list(module.children()) and any(True for _ in module.parameters(recurse=False)):
-            names.add(full_name.rsplit(".", 1)[-1])
-    return sorted(names)
-
-
-def check_target_modules(model: torch.nn.Module, peft_config: Any) -> None:
-    """Raises a ConfigError listing the existing module names if ``target_modules`` match nothing.
-
-    PEFT raises too, but with a long message; this one lists what a user can put in ``target_modules``.
-
-    Args:
-        model: The base model.
-        peft_config: A PEFT config; configs without ``target_modules`` (prompt learning) are not checked.
-    """
-    from peft.tuners.tuners_utils import check_target_module_exists
-
-    targets = getattr(peft_config, "target_modules", None)
-    if targets is None or (isinstance(targets, str) and targets in ("all-linear", "all-linear-and-conv")):
-        return
-    if any(check_target_module_exists(peft_config, key) for key, _ in model.named_modules() if key):
-        return
-    if isinstance(targets, str):
-        # PEFT reads one string as a regular expression over each module's full name (re.fullmatch), not as a
-        # module name: 'q_proj' matches no 'model.layers.0.self_attn.q_proj'.
-        leaves = _leaf_module_names(model)
-        full = next((k for k, _ in model.named_modules() if k.endswith(f".{targets}")), None)
-        known = f" (full names are like {full!r})" if full else f"; modules with weights are named: {', '.join(leaves)}"
-        raise ConfigError(
-            f"peft.target_modules {targets!r} is one string, which PEFT reads as a regular expression matching a "
-            f"module's full name, and it matches none{known}; to name modules give a list: "
-            f"--model.peft.init_args.target_modules '[{targets}]' (YAML: target_modules: [{targets}])"
-        )
-    raise ConfigError(
-        f"peft.target_modules {sorted(targets)!r} match no module of the model; modules with weights are named: "
-        + ", ".join(_leaf_module_names(model))
-    )
 
 
 def build_peft_config(spec: Any, task: str):

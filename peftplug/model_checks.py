@@ -1,0 +1,80 @@
+"""Checks of a loaded model against the settings that go with it, each a one-line ConfigError naming the setting.
+
+Split from :mod:`peftplug.loading` (which re-exports :func:`check_target_modules`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from peftplug.errors import ConfigError
+
+
+def _leaf_module_names(model: torch.nn.Module) -> list[str]:
+    """Distinct last name components of modules that hold weights (what ``target_modules`` usually names)."""
+    names = set()
+    for full_name, module in model.named_modules():
+        if full_name and not list(module.children()) and any(True for _ in module.parameters(recurse=False)):
+            names.add(full_name.rsplit(".", 1)[-1])
+    return sorted(names)
+
+
+def check_target_modules(model: torch.nn.Module, peft_config: Any) -> None:
+    """Raises a ConfigError listing the existing module names if ``target_modules`` match nothing.
+
+    PEFT raises too, but with a long message; this one lists what a user can put in ``target_modules``.
+
+    Args:
+        model: The base model.
+        peft_config: A PEFT config; configs without ``target_modules`` (prompt learning) are not checked.
+    """
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    targets = getattr(peft_config, "target_modules", None)
+    if targets is None or (isinstance(targets, str) and targets in ("all-linear", "all-linear-and-conv")):
+        return
+    if any(check_target_module_exists(peft_config, key) for key, _ in model.named_modules() if key):
+        return
+    if isinstance(targets, str):
+        # PEFT reads one string as a regular expression over each module's full name (re.fullmatch), not as a
+        # module name: 'q_proj' matches no 'model.layers.0.self_attn.q_proj'.
+        leaves = _leaf_module_names(model)
+        full = next((k for k, _ in model.named_modules() if k.endswith(f".{targets}")), None)
+        known = f" (full names are like {full!r})" if full else f"; modules with weights are named: {', '.join(leaves)}"
+        raise ConfigError(
+            f"peft.target_modules {targets!r} is one string, which PEFT reads as a regular expression matching a "
+            f"module's full name, and it matches none{known}; to name modules give a list: "
+            f"--model.peft.init_args.target_modules '[{targets}]' (YAML: target_modules: [{targets}])"
+        )
+    raise ConfigError(
+        f"peft.target_modules {sorted(targets)!r} match no module of the model; modules with weights are named: "
+        + ", ".join(_leaf_module_names(model))
+    )
+
+
+def check_tokenizer_fits(model: torch.nn.Module, tokenizer: Any, field: str = "tokenizer") -> None:
+    """Raises a ConfigError if ``tokenizer`` has ids the model has no embedding row for.
+
+    Loading does not notice (transformers loads a model and a tokenizer of different vocabularies side by side);
+    training would, at its first batch, with ``IndexError: index out of range in self`` on CPU and a device-side
+    assert on CUDA. A tokenizer *smaller* than the embeddings is usual (tables padded to a multiple of 64 or 128).
+
+    Args:
+        model: The loaded model (PEFT-wrapped or not).
+        tokenizer: The tokenizer that will encode its inputs.
+        field: The tokenizer's setting as the user writes it (e.g. ``"model.tokenizer"``).
+    """
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a model without a token embedding table: nothing to check
+        return
+    rows = getattr(embeddings, "num_embeddings", None)
+    size = len(tokenizer)
+    if isinstance(rows, int) and size > rows:
+        raise ConfigError(
+            f"{field}: the tokenizer has {size} tokens but the model "
+            f"{getattr(model, 'name_or_path', '')!r} has embeddings for {rows} (ids {rows}..{size - 1} would fail at "
+            "the first batch); use the model's own tokenizer"
+        )
