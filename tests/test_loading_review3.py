@@ -79,3 +79,21 @@ def test_a_tokenizer_with_more_ids_than_embeddings_is_refused(tmp_path):
     check_tokenizer_fits(wide_model, tokenizer)
     with torch.no_grad():
         assert wide_model(input_ids=ids).logits.shape == (1, ids.shape[1], 128)
+
+
+def test_a_data_tokenizer_with_more_ids_than_the_models_embeddings_is_refused():
+    # The same check for data.tokenizer, which the data module loads itself (the IndexError came at the first batch).
+    import lightning as L
+
+    from peftplug.data import CausalLMData
+    from peftplug.errors import ConfigError
+    from peftplug.lightning import PeftModule
+    from peftplug.tiny import tiny_model
+
+    module = PeftModule(tiny_model("llama", vocab_size=50))  # a built model: no tokenizer of its own
+    data = CausalLMData(train_file="unused.jsonl", tokenizer="tiny:llama")
+    trainer = L.Trainer(logger=False, enable_checkpointing=False)
+    trainer.strategy.connect(module)
+    data.trainer = trainer
+    with pytest.raises(ConfigError, match="data.tokenizer: the tokenizer has"):
+        data.resolve_tokenizer()

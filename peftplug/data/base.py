@@ -140,6 +140,11 @@ class TokenizedDataModule(L.LightningDataModule):
             from peftplug.loading import load_tokenizer
 
             self.tokenizer = load_tokenizer(self.tokenizer_name)
+            model = getattr(self._module(), "model", None)
+            if isinstance(model, torch.nn.Module):  # ids past the model's embeddings would fail at the first batch
+                from peftplug.model_checks import check_tokenizer_fits
+
+                check_tokenizer_fits(model, self.tokenizer, "data.tokenizer")
         elif getattr(self._module(), "tokenizer", None) is not None:
             self.tokenizer = self._module().tokenizer
         else:
