@@ -283,8 +283,10 @@ class Helene(ZerothOrderOptimizer):
             raise ValueError(f"hessian={hessian!r} applies only to preconditioner='hessian'; with "
                              f"preconditioner={preconditioner!r} leave hessian unset (None)")
         if hessian == "none" and clip == "none":
-            raise ValueError("clip='none' with hessian='none' divides the momentum by 1e-12 (h ≡ 0); use clip='layer' "
-                             "with lam > 0 (the annealing-only ablation) or clip='coordinate'")
+            # (One field named as the subject: the CLI names the recipe field an error is about from its message.)
+            raise ValueError("clip must be 'layer' (with a floor lam > 0: the annealing-only ablation) or 'coordinate' "
+                             "when hessian is 'none': h is always zero, and clip 'none' would divide the momentum by "
+                             "1e-12")
         self.preconditioner = preconditioner
         self.clip = clip  # read by _check_group, which also checks the defaults before torch's __init__
         self.bias_correction = bool(bias_correction)
@@ -324,8 +326,8 @@ class Helene(ZerothOrderOptimizer):
                 "layer names needs layerwise='tensor' or 'block'")
         check_real("lam (clipping floor λ)", lam)
         if lam == 0 and self.clip == "layer" and self.estimator is not None and self.estimator.name in _SIGNLESS:
-            raise ValueError(f"lam (clipping floor λ) must be > 0 with hessian={self.estimator.name!r} and clip='layer': "
-                             "its h can be 0 or negative, and the floor is then the whole denominator")
+            raise ValueError(f"lam must be > 0 (the clipping floor λ) when hessian is {self.estimator.name!r} and clip "
+                             "is 'layer': its h can be 0 or negative, and the floor is then the whole denominator")
 
     def _init_state(self, group: dict) -> None:
         """The momentum m (and, for ``preconditioner="hessian"``, h), fp32 zeros like each trainable parameter's

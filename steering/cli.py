@@ -220,6 +220,9 @@ def _cmd_extract(args) -> int:
     _check_finite("--multiplier", args.multiplier)
     if args.method == "trainable" and not (math.isfinite(args.lr) and args.lr > 0):
         raise ConfigError(f"--lr must be a finite number > 0, got {args.lr}")
+    if args.method == "trainable" and args.operator == "ablate":  # zero gradient at the zero start: nothing trains
+        raise ConfigError("--operator ablate cannot be trained from zero vectors; use --operator ablate_then_add or "
+                          "add, or extract an ablation direction with --method caa or pca")
     if min(args.layers) < 0:
         raise ConfigError(f"--layers must be block indices >= 0 (block L's output), got {args.layers}")
     pairs = read_pairs(args.pairs)

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from steering.config import TRAINABLE_POSITIONS, check_trainable_positions
 from steering.easyedit_data import TokenizedPairs, caa_rows, is_rows, vector_prompt_rows
 from steering.families import find_blocks
-from steering.layer import SteeringLayer
+from steering.layer import SteeringLayer, check_no_zero_ablation
 from steering.padding import pad_sequences, pad_token_id
 
 METHODS = ("caa", "pca_diff", "pca_center", "vector_prompt", "trainable")
@@ -400,6 +400,7 @@ def train_vectors(
               for n, p in m.steer_vector.parameter_items() if n in names]
     if not params:
         raise ValueError("no steering vectors found on the model; wrap it with a SteeringConfig first")
+    check_no_zero_ablation(peft_model.modules(), names)  # (SteeringModel.train's check: this loop runs in eval mode)
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.Adam(params, lr=lr)

@@ -356,3 +356,43 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
 
     def __repr__(self) -> str:
         return "steering." + super().__repr__()
+
+
+def _is_zero(param: torch.Tensor) -> bool:
+    """Whether a materialised, unsharded vector is all zeros (``False`` for meta tensors and FSDP2 DTensors, whose
+    values are not known here without loading or a collective)."""
+    if param.device.type == "meta" or hasattr(param, "placements"):
+        return False
+    return not bool(param.detach().any())
+
+
+def check_no_zero_ablation(modules, names=None, trainable_only: bool = False) -> None:
+    """Refuses to train an ``operator="ablate"`` vector that is still zero (its initial value).
+
+    ``h - m (h.u) u`` with ``u = v/|v|`` is quadratic in ``v`` at zero, so its gradient is exactly zero: the vector
+    would stay zero while the run logged losses as usual (``SteeringModel.train`` and ``steering.train_vectors``).
+
+    Args:
+        modules: Modules to look through (``model.modules()``); steering layers among them are checked.
+        names: Adapters to check (default: each layer's active adapters).
+        trainable_only: Check only vectors that require grad.
+
+    Raises:
+        ValueError: Naming the adapters and layers.
+    """
+    zero = []
+    for layer in modules:
+        if not isinstance(layer, SteeringLayer):
+            continue
+        wanted = layer.active_adapters if names is None else names
+        for name, param in layer.steer_vector.parameter_items():
+            if (name in wanted and (param.requires_grad or not trainable_only)
+                    and layer.steer_operator[name] == "ablate" and _is_zero(param)):
+                zero.append(f"{name!r} at layer {layer.layer_index}")
+    if zero:
+        raise ValueError(
+            f"operator='ablate' vectors that are zero cannot be trained ({', '.join(zero)}): ablating along v/|v| "
+            "has a zero gradient at v = 0, so the vector would stay zero while the run logged losses as usual; set "
+            "a direction first (set_vectors, e.g. an extracted vector), or train with operator='ablate_then_add' or "
+            "'add'"
+        )

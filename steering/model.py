@@ -15,7 +15,7 @@ from torch import nn
 from peftplug.adapter_params import UpgradesLegacyKeys
 from steering.config import SteeringConfig, check_trainable_positions
 from steering.families import FAMILIES, find_blocks, hidden_size_of, merge_target
-from steering.layer import SteeringLayer
+from steering.layer import SteeringLayer, check_no_zero_ablation
 from steering.merge import COMBINATIONS, merge_vectors
 from steering.positions import SteeringContext
 
@@ -158,22 +158,13 @@ class SteeringModel(UpgradesLegacyKeys, BaseTuner):
             mode: Training mode (``False`` is ``eval()``, never refused).
         """
         if mode:
-            zero_ablations = []
             for layer in self.model.modules():
                 if not isinstance(layer, SteeringLayer):
                     continue
                 for name, param in layer.steer_vector.parameter_items():
                     if name in layer.active_adapters and param.requires_grad:
                         check_trainable_positions(layer.steer_positions[name], f"adapter {name!r} put in training mode")
-                        if layer.steer_operator[name] == "ablate" and _is_zero(param):
-                            zero_ablations.append(f"{name!r} at layer {layer.layer_index}")
-            if zero_ablations:
-                raise ValueError(
-                    f"operator='ablate' vectors that are zero cannot be trained ({', '.join(zero_ablations)}): "
-                    "ablating along v/|v| has a zero gradient at v = 0, so the vector would stay zero while the run "
-                    "logged losses as usual; set a direction first (set_vectors, e.g. an extracted vector), or train "
-                    "with operator='ablate_then_add' or 'add'"
-                )
+            check_no_zero_ablation(self.model.modules(), trainable_only=True)
         return super().train(mode)
 
     def _check_steering_merge(self, adapter_names: list[str] | None) -> None:
@@ -462,11 +453,3 @@ def steering_model_of(model) -> SteeringModel:
     if isinstance(base, SteeringModel):
         return base
     raise TypeError(f"expected a PeftModel with a steering adapter, got {type(model).__name__}")
-
-
-def _is_zero(param: torch.Tensor) -> bool:
-    """Whether a materialised, unsharded vector is all zeros (``False`` for meta tensors and FSDP2 DTensors, whose
-    values are not known here without loading or a collective)."""
-    if param.device.type == "meta" or hasattr(param, "placements"):
-        return False
-    return not bool(param.detach().any())

@@ -177,3 +177,15 @@ def test_a_denominator_left_to_1e_12_is_refused(kwargs):
     with pytest.raises(ValueError, match="lam"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "lam": 0.0})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("kwargs, field", [({"hessian": "none", "clip": "none"}, "clip"),
+                                           ({"hessian": "curvature", "lam": 0.0}, "lam")])
+def test_the_cli_names_the_field_of_a_degenerate_denominator(kwargs, field):
+    # The CLI names the recipe field from the message; the first wording named model.optimizer.init_args.seed.
+    from peftplug.config_errors import _named_in
+
+    with pytest.raises(ValueError) as raised:
+        Helene([torch.nn.Parameter(torch.randn(3))], **kwargs)
+    leaves = {f"model.optimizer.init_args.{k}": v for k, v in {"seed": 0, "lam": 0.0, **kwargs}.items()}
+    assert _named_in(str(raised.value), leaves) == f"model.optimizer.init_args.{field}"

@@ -356,3 +356,17 @@ def test_extract_reads_easyedit_vector_prompt_rows(tmp_path, tokenizer):
     want = steering.train_steering_vector(model, tok, rows, method="vector_prompt", prompt="Be cheerful.",
                                           layers=[1], progress=False).base_model.get_vectors()
     assert torch.equal(_vectors(tmp_path / "vp")[1], want[1])
+
+
+def test_a_zero_ablation_vector_is_refused_before_training(tiny_model, tokenizer):
+    # steering.train_vectors trains in eval mode, so SteeringModel.train's check never ran: losses stayed at log 2 and
+    # the vector at zero (and the CLI refused only after all its steps, pointing at set_vectors).
+    import peft
+
+    from steering import SteeringConfig, train_vectors
+
+    model = peft.get_peft_model(tiny_model("llama"), SteeringConfig(layers=[1], operator="ablate",
+                                                                    task_type="CAUSAL_LM")).eval()
+    pairs = [("a b", "a c")] * 2
+    with pytest.raises(ValueError, match="operator='ablate' vectors that are zero cannot be trained"):
+        train_vectors(model, tokenizer, pairs, "preference", 2, 0.1, 2)
