@@ -27,4 +27,5 @@ def inside_activation_checkpoint(stacked: dict[str, torch.Tensor]) -> bool:
         return any(rotation.requires_grad for rotation in stacked.values())
     # A non-reentrant checkpoint installs saved-tensor hooks around its region (so does save_on_cpu: per-layer then,
     # the same result).
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # (private: may move)
+    return top_hooks is not None and top_hooks(False) is not None

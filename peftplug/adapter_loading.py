@@ -21,7 +21,7 @@ import warnings
 from typing import Any
 
 from peftplug.adapter_export import BASE_RECORD, read_base_record
-from peftplug.errors import CheckpointError, ConfigError
+from peftplug.errors import CheckpointError, ConfigError, PeftplugError
 from peftplug.quantized_layout import keep_exact_4bit_layout
 
 
@@ -283,7 +283,10 @@ def load_adapter(
             from peftplug.loading import load_tokenizer
 
             source = path if os.path.isfile(os.path.join(path, "tokenizer_config.json")) else model
-            pad_token_id = load_tokenizer(str(source)).pad_token_id
+            try:
+                pad_token_id = load_tokenizer(str(source)).pad_token_id
+            except (PeftplugError, OSError, ValueError):  # no tokenizer to read it from: the model config's own
+                pad_token_id = None
         model = load_model(str(model), tasks[task_type], quantization, dtype, num_labels=num_labels,
                            pad_token_id=pad_token_id)
     elif not isinstance(model, torch.nn.Module):
