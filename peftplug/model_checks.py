@@ -70,7 +70,9 @@ def check_tokenizer_fits(model: torch.nn.Module, tokenizer: Any, field: str = "t
         embeddings = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):  # a model without a token embedding table: nothing to check
         return
-    rows = getattr(embeddings, "num_embeddings", None)
+    # An adapter on the embedding (LoRA, OFTv2, trainable tokens) wraps it: the table is its base layer's.
+    base = embeddings.get_base_layer() if hasattr(embeddings, "get_base_layer") else embeddings
+    rows = getattr(base, "num_embeddings", None)
     size = len(tokenizer)
     if isinstance(rows, int) and size > rows:
         raise ConfigError(

@@ -97,3 +97,17 @@ def test_a_data_tokenizer_with_more_ids_than_the_models_embeddings_is_refused():
     data.trainer = trainer
     with pytest.raises(ConfigError, match="data.tokenizer: the tokenizer has"):
         data.resolve_tokenizer()
+
+
+def test_an_adapter_on_the_embedding_does_not_hide_its_size():
+    # The PEFT layer wrapping embed_tokens has no num_embeddings: the check looked at it and passed.
+    import peft
+
+    from peftplug.errors import ConfigError
+    from peftplug.loading import load_tokenizer
+    from peftplug.model_checks import check_tokenizer_fits
+    from peftplug.tiny import tiny_model
+
+    model = peft.get_peft_model(tiny_model("llama", vocab_size=50), peft.LoraConfig(target_modules=["embed_tokens"], r=2))
+    with pytest.raises(ConfigError, match="has embeddings for 50"):
+        check_tokenizer_fits(model, load_tokenizer("tiny:llama"), "data.tokenizer")
