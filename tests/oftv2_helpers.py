@@ -7,12 +7,13 @@ import torch
 from torch import nn
 
 
-def randomize_q(model, std: float = 0.02, seed: int = 0) -> None:
-    """Fills every OFTv2 parameter with N(0, std²) so rotations differ from the identity."""
+def randomize_q(model, std: float = 0.02, seed: int = 0, key: str = "oftv2_Q") -> None:
+    """Fills every OFTv2 parameter (or every parameter named with ``key``: PEFT's OFT is ``"oft_R"``) with
+    N(0, std²) so rotations differ from the identity."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "oftv2_Q" in name:
+            if key in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 

@@ -184,14 +184,11 @@ def _kernel_record(dry_run=False, nf4=True):
     return record
 
 
-def test_kernel_merge_refuses_dry_runs_and_runs_that_would_drop_the_nf4_table(tmp_path, monkeypatch):
+def test_kernel_merge_refuses_dry_runs_and_runs_that_would_drop_the_nf4_table(tmp_path, kernel_page):
     from benchmarks.common.pages import read_section
     from benchmarks.kernels import gpu
 
-    page, results = tmp_path / "qoft.md", tmp_path / "results" / "gpu.json"
-    page.write_text("# QOFT\n\n<!-- qoft-cpu:begin -->\nCPU part\n<!-- qoft-cpu:end -->\n")
-    monkeypatch.setattr(gpu, "RESULTS", results)
-    monkeypatch.setattr(gpu, "PAGE", page)
+    page, results = kernel_page, gpu.RESULTS
     full = tmp_path / "full" / "gpu_results.json"
     full.parent.mkdir()
     full.write_text(json.dumps(_kernel_record()))
@@ -210,14 +207,11 @@ def test_kernel_merge_refuses_dry_runs_and_runs_that_would_drop_the_nf4_table(tm
 
 
 @pytest.mark.skipif(not SHARED_RUN.is_dir(), reason="../shared/gpu/2026-12-04-h200 is not beside this checkout")
-def test_kernel_merge_of_the_first_runs_file_keeps_every_table(tmp_path, monkeypatch):
+def test_kernel_merge_of_the_first_runs_file_keeps_every_table(kernel_page):
     from benchmarks.common.pages import read_section
     from benchmarks.kernels import gpu
 
-    page = tmp_path / "qoft.md"
-    page.write_text("# QOFT\n\n<!-- qoft-cpu:begin -->\nCPU part\n<!-- qoft-cpu:end -->\n")
-    monkeypatch.setattr(gpu, "RESULTS", tmp_path / "results" / "gpu.json")
-    monkeypatch.setattr(gpu, "PAGE", page)
+    page = kernel_page
     gpu.main(["--merge-docs", str(SHARED_RUN / "gpu_results.json")])
     section = read_section(page.read_text(), "qoft-gpu")
     assert "| nf4_rotate_matmul, 4096 tokens | fused nf4_rotate_matmul (triton) | 11.755 |" in section

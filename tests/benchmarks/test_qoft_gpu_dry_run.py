@@ -45,7 +45,7 @@ def test_gpu_benchmark_dry_run(tmp_path):
     assert "| QOFT (ours) |" in (tmp_path / "gpu_results.md").read_text()
 
 
-def test_merge_docs_commits_the_run_and_renders_the_gpu_section_only(tmp_path, monkeypatch):
+def test_merge_docs_commits_the_run_and_renders_the_gpu_section_only(tmp_path, kernel_page):
     from benchmarks.common.pages import read_section
     from benchmarks.kernels import gpu
 
@@ -57,10 +57,7 @@ def test_merge_docs_commits_the_run_and_renders_the_gpu_section_only(tmp_path, m
     run = tmp_path / "out"
     run.mkdir()
     (run / "gpu_results.json").write_text(json.dumps(record))
-    page = tmp_path / "qoft.md"
-    page.write_text("# QOFT\n\n<!-- qoft-cpu:begin -->\nCPU part\n<!-- qoft-cpu:end -->\n")
-    monkeypatch.setattr(gpu, "RESULTS", tmp_path / "results" / "gpu.json")
-    monkeypatch.setattr(gpu, "PAGE", page)
+    page = kernel_page
     gpu.main(["--merge-docs", str(run / "gpu_results.md")])  # the .md names the run; its JSON is what is kept
     assert json.loads(gpu.RESULTS.read_text()) == record
     text = page.read_text()
@@ -71,7 +68,7 @@ def test_merge_docs_commits_the_run_and_renders_the_gpu_section_only(tmp_path, m
     assert page.read_text() == text
 
 
-def test_merging_a_run_without_training_rows_points_to_the_step_benchmark(tmp_path, monkeypatch):
+def test_merging_a_run_without_training_rows_points_to_the_step_benchmark(tmp_path, kernel_page):
     # run_all.sh runs this module with --skip-training (the step table is benchmarks.oftv2.gpu_step's now): merging
     # such a run replaces the committed file, whose 2026-12-04 training table then leaves the page; the section says
     # where the training step is measured instead of ending silently after the kernels.
@@ -85,10 +82,7 @@ def test_merging_a_run_without_training_rows_points_to_the_step_benchmark(tmp_pa
                            "fwd_ms": 0.1, "fwd_bwd_ms": 0.5, "fwd_bwd_peak_mib": 8.0, "max_rel_err": 1e-3}],
               "fused_crossover": 16, "fused_max_tokens": 64}
     (tmp_path / "gpu_results.json").write_text(json.dumps(record))
-    page = tmp_path / "qoft.md"
-    page.write_text("# QOFT\n\n<!-- qoft-cpu:begin -->\nCPU part\n<!-- qoft-cpu:end -->\n")
-    monkeypatch.setattr(gpu, "RESULTS", tmp_path / "results" / "gpu.json")
-    monkeypatch.setattr(gpu, "PAGE", page)
+    page = kernel_page
     gpu.main(["--merge-docs", str(tmp_path / "gpu_results.json")])
     section = read_section(page.read_text(), "qoft-gpu")
     assert "| training step |" not in section

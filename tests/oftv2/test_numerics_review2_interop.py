@@ -47,11 +47,7 @@ def _peft_oft(model: nn.Module, **config) -> peft.PeftModel:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         oft = peft.get_peft_model(model, OFTConfig(r=0, **config))
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in oft.named_parameters():
-            if "oft_R" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    randomize_q(oft, std=0.05, seed=1, key="oft_R")
     return oft.eval()
 
 

@@ -34,11 +34,7 @@ def _peft_oft_model(tiny_model, use_cn, terms=5, block_share=False, seed=0):
         block_share=block_share,
     )
     oft = peft.get_peft_model(model, cfg)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in oft.named_parameters():
-            if "oft_R" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.03)
+    randomize_q(oft, std=0.03, seed=1, key="oft_R")
     return oft.eval()
 
 
