@@ -332,7 +332,8 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
             self._bias_before_merge = None if proj.bias is None else proj.bias.detach().clone()
         if proj.bias is None:
             proj.bias = nn.Parameter(
-                torch.zeros(self.hidden_size, device=proj.weight.device, dtype=proj.weight.dtype), requires_grad=False
+                torch.zeros(self.hidden_size, device=proj.weight.device, dtype=bias_dtype(proj, self.base_layer)),
+                requires_grad=False,
             )
         with torch.no_grad():
             for name, delta in zip(adapter_names, deltas):
@@ -356,6 +357,29 @@ class SteeringLayer(nn.Module, BaseTunerLayer):
 
     def __repr__(self) -> str:
         return "steering." + super().__repr__()
+
+
+def bias_dtype(proj: nn.Module, block: nn.Module | None = None) -> torch.dtype:
+    """The dtype of a bias created on ``proj``: its weight's, unless that is a quantized storage dtype.
+
+    A bitsandbytes 4-bit/8-bit layer stores its weight as ``uint8``/``int8``; a bias in that dtype truncated the
+    merged vector to integers (wrong outputs, silently). Such layers cast their bias to the compute dtype in forward,
+    so it is kept in the layer's ``compute_dtype``, else in the block's floating-point dtype, else fp32.
+
+    Args:
+        proj: The projection receiving the bias.
+        block: The decoder block around it (its floating-point parameters give the model dtype).
+    """
+    weight = getattr(proj, "weight", None)
+    if weight is not None and weight.is_floating_point():
+        return weight.dtype
+    compute = getattr(proj, "compute_dtype", None)
+    if isinstance(compute, torch.dtype) and compute.is_floating_point:
+        return compute
+    for param in (block or proj).parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.float32
 
 
 def _is_zero(param: torch.Tensor) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from peft.utils import merge_utils
 
+from peftplug.validation import check_real
+
 COMBINATIONS = ("linear", "ties", "dare_linear", "dare_ties", "magnitude_prune")
 
 
@@ -43,8 +45,10 @@ def merge_vectors(
     shapes = {tuple(v.shape) for v in vectors}
     if len(shapes) != 1:
         raise ValueError(f"vectors to merge have different shapes: {sorted(shapes)}")
+    # A NaN or infinite weight made a NaN/inf vector that steered every forward to NaN logits, silently.
+    weights = [check_real(f"weights[{i}]", x) for i, x in enumerate(weights)]
     tensors = [v.detach().float() for v in vectors]
-    w = torch.tensor([float(x) for x in weights], dtype=torch.float32)
+    w = torch.tensor(weights, dtype=torch.float32)
     if combination_type in ("ties", "dare_ties"):
         # PEFT elects each entry's sign from the *unweighted* vectors but sums the weighted ones, so a vector merged
         # with a negative weight (steering away from a concept) is kept where it disagrees with the merge and

@@ -15,7 +15,7 @@ from torch import nn
 from peftplug.adapter_params import UpgradesLegacyKeys
 from steering.config import SteeringConfig, check_trainable_positions
 from steering.families import FAMILIES, find_blocks, hidden_size_of, merge_target
-from steering.layer import SteeringLayer, check_no_zero_ablation
+from steering.layer import SteeringLayer, bias_dtype, check_no_zero_ablation
 from steering.merge import COMBINATIONS, merge_vectors
 from steering.positions import SteeringContext
 
@@ -332,6 +332,11 @@ class SteeringModel(UpgradesLegacyKeys, BaseTuner):
     def generate(self, *args, **kwargs):
         """``model.generate`` with the prompt length made known to the position policies."""
         ref = kwargs.get("input_ids")
+        if ref is None:
+            # transformers' own name of the prompt (``generate(inputs=ids)``): without it the prompt length stayed
+            # unknown, and under use_cache=False every step (a fresh full forward) counted as prompt, so
+            # "generated" steered nothing and "prompt" every token.
+            ref = kwargs.get("inputs")
         if ref is None and args and torch.is_tensor(args[0]):
             ref = args[0]
         if ref is None:
@@ -436,7 +441,7 @@ def keep_created_biases(model: nn.Module, blocks: nn.ModuleList, bias_proj: str)
         for module in mlp.modules():
             if isinstance(module, nn.Linear) and module.bias is None:
                 module.bias = nn.Parameter(
-                    torch.zeros(module.out_features, device=module.weight.device, dtype=module.weight.dtype),
+                    torch.zeros(module.out_features, device=module.weight.device, dtype=bias_dtype(module, block)),
                     requires_grad=False,
                 )
 
