@@ -15,6 +15,7 @@ import torch
 from helene.estimators import get_estimator
 from helene.groups import GRANULARITIES, layerwise_param_groups
 from helene.zo import ZerothOrderOptimizer, check_betas, check_int, check_real, is_dtensor
+from peftplug.validation import check_flag
 
 CLIP_MODES = ("layer", "coordinate", "none")
 #: What divides HELENE's momentum: the EMA of a diagonal Hessian estimate (the paper), or one scale-free scalar.
@@ -264,6 +265,8 @@ class Helene(ZerothOrderOptimizer):
                 lam = 1.0
         if clip not in CLIP_MODES:
             raise ValueError(f"clip must be one of {CLIP_MODES}, got {clip!r}")
+        check_flag("anneal", anneal)
+        check_flag("bias_correction", bias_correction)
         check_int("hessian_interval", hessian_interval, low=1)
         if not (isinstance(anneal_horizon, str) and anneal_horizon == "auto"):
             try:

@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 
 from helene.zo_state import ZerothOrderState, is_dtensor
 from peftplug.errors import ConfigError
-from peftplug.validation import check_int
+from peftplug.validation import check_flag, check_int
 from peftplug.validation import check_real as _check_real
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -179,6 +179,7 @@ class ZerothOrderOptimizer(ZerothOrderState, Optimizer):
             raise ValueError(f"master_weights must be one of {_MASTER_CHOICES}, got {master_weights!r}")
         if perturbation not in PERTURBATIONS:
             raise ValueError(f"perturbation must be one of {PERTURBATIONS}, got {perturbation!r}")
+        check_flag("sync_seed", sync_seed)
         # The defaults too: a group added later (add_param_group) takes every option it does not set from them.
         self._check_group(defaults)
         # add_param_group reads these; torch's __init__ calls it once per given group.

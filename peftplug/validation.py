@@ -127,6 +127,22 @@ def check_int(name: str, value: Any, low: int | None = None, high: int | None = 
     return number
 
 
+def check_flag(name: str, value: Any) -> bool:
+    """Returns ``value`` unless it is not ``True`` or ``False``; then raises ``ValueError("<name> must be True or
+    False, got <value!r>")``.
+
+    Options read with ``bool(value)`` took a string such as ``"false"`` or ``"no"`` (a YAML or CLI value quoted by
+    mistake) as ``True``, silently.
+
+    Args:
+        name: The field's name, as the message shows it.
+        value: The value to check.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")  # noqa: TRY004  (one error type for options)
+    return value
+
+
 def python_number(value: Any) -> Any:
     """The plain Python number behind a checked tensor or numpy value (JSON and YAML can write it); an ``int``
     or ``float`` (and anything else) is returned as it is, so that a value given as ``0`` stays an int.

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from peft.config import PromptLearningConfig
 
-from peftplug.validation import check_int, check_real, python_number
+from peftplug.validation import check_flag, check_int, check_real, python_number
 
 FUSIONS = ("attention", "mean")
 
@@ -71,8 +71,7 @@ class PCTConfig(PromptLearningConfig):
         if self.fusion not in FUSIONS:
             raise ValueError(f"fusion must be one of {FUSIONS}, got {self.fusion!r}")
         # A string such as "false" is truthy: it used to train the residual silently.
-        if not isinstance(self.trainable_residual, bool):
-            raise ValueError(f"trainable_residual must be True or False, got {self.trainable_residual!r}")  # noqa: TRY004
+        check_flag("trainable_residual", self.trainable_residual)
         if self.fusion == "mean" and not self.trainable_residual:
             raise ValueError("fusion='mean' with trainable_residual=False leaves nothing to train; "
                              "set trainable_residual=True or fusion='attention'")

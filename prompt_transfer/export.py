@@ -257,6 +257,15 @@ def load_pct_for_training(base_model, adapter_dir: str, adapter_name: str = "def
                 if peft_type == "PROMPT_TUNING" else "")
         raise ValueError(f"{adapter_dir} holds a {peft_type} adapter, not PCT{hint}")
     config.inference_mode = False
-    model = get_peft_model(base_model, config, adapter_name=adapter_name)
+    # The saved state holds P_0 and S_k and is loaded right below: the folder at decomposition_path is not read (a
+    # training-mode encoder would load and check it, and a folder decomposed again since, with another K or prompt
+    # length, refused the resume). The path stays recorded in the config for the adapter saved next.
+    path, config.decomposition_path = config.decomposition_path, None
+    try:
+        model = get_peft_model(base_model, config, adapter_name=adapter_name)
+    finally:
+        config.decomposition_path = path
+    model.peft_config[adapter_name].decomposition_path = path
+    model.prompt_encoder[adapter_name].embedding.decomposition_path = path
     set_peft_model_state_dict(model, load_peft_weights(adapter_dir), adapter_name=adapter_name)
     return model

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from peft.config import PeftConfig
 
-from peftplug.validation import check_real
+from peftplug.validation import check_flag, check_real
 
 OPERATORS = ("add", "ablate", "ablate_then_add")
 POSITIONS = ("all", "prompt", "generated", "from_last_prompt")
@@ -151,8 +151,7 @@ class SteeringConfig(PeftConfig):
             if value not in accepted:
                 raise ValueError(f"SteeringConfig.{name} must be one of {accepted}, got {value!r}")
         # A string such as "false" is truthy: it used to normalise silently.
-        if not isinstance(self.normalize, bool):
-            raise ValueError(f"SteeringConfig.normalize must be True or False, got {self.normalize!r}")  # noqa: TRY004
+        check_flag("SteeringConfig.normalize", self.normalize)
         if self.hidden_size is not None and (
             not isinstance(self.hidden_size, int) or isinstance(self.hidden_size, bool) or self.hidden_size <= 0
         ):
