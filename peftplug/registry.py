@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 import peft
+import torch
 from packaging.version import Version
 
 # The PEFT versions whose internals (PeftType's enum maps, the mapping dicts, BaseTuner's hooks) this package was
@@ -266,6 +267,14 @@ def _prompt_tuning_view(config):
     )
 
 
+PACKED_REFUSAL = (
+    "a {} prompt cannot train on packed or padding-free batches (TRL's packing=True or padding_free=True, "
+    "transformers' DataCollatorWithFlattening): PEFT puts the prompt once before the packed row and drops its "
+    "position ids, so its examples would attend to each other and only the first would see the prompt; set "
+    "packing=False or use a padding collator"
+)
+
+
 def _refuse_packed_batches(peft_type: str):
     """A forward pre-hook for the base model under a prompt-tuning-like plugin: refuses packed batches.
 
@@ -280,13 +289,36 @@ def _refuse_packed_batches(peft_type: str):
 
     def hook(module, args, kwargs):
         if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("seq_idx") is not None:
-            raise ValueError(
-                f"a {peft_type} prompt cannot train on packed or padding-free batches (TRL's packing=True or "
-                "padding_free=True): PEFT puts the prompt once before the packed row and drops its position ids, so "
-                "its examples would attend to each other and only the first would see the prompt; set packing=False"
-            )
+            raise ValueError(PACKED_REFUSAL.format(peft_type))
 
     return hook
+
+
+def _refuse_restarting_positions(module, args, kwargs):
+    """A forward pre-hook for the ``PeftModel`` of a prompt-tuning-like plugin: refuses rows whose position ids
+    restart, the only mark of a packed batch from ``DataCollatorWithFlattening()`` with its defaults.
+
+    That collator sends no ``cu_seq_lens_q``/``seq_idx`` and PEFT drops the position ids (with a warning) before the
+    base model, where :func:`_refuse_packed_batches` looks. Positions are compared only between two attended
+    tokens, so left or right padding (whose positions HF fills with 1) is not mistaken for a restart.
+
+    Args:
+        module: The ``PeftModel``.
+        args: The forward's positional arguments.
+        kwargs: Its keyword arguments.
+    """
+    positions = kwargs.get("position_ids")
+    if not torch.is_tensor(positions) or positions.dim() != 2 or positions.shape[-1] < 2:
+        return
+    config = module.peft_config.get(module.active_adapter)
+    if config is None or _type_value(config.peft_type) not in _PROMPT_TUNING_LIKE:
+        return
+    restarts = positions[:, 1:] <= positions[:, :-1]
+    mask = kwargs.get("attention_mask")
+    if torch.is_tensor(mask) and mask.shape == positions.shape:
+        restarts &= mask[:, 1:].bool() & mask[:, :-1].bool()
+    if bool(restarts.any()):
+        raise ValueError(PACKED_REFUSAL.format(_type_value(config.peft_type)))
 
 
 def _install_prompt_tuning_dispatch() -> None:
@@ -314,8 +346,11 @@ def _install_prompt_tuning_dispatch() -> None:
         encoder = PEFT_TYPE_TO_TUNER_MAPPING[config.peft_type](config, self.word_embeddings)
         self.prompt_encoder[adapter_name] = encoder.to(self.device)
         if "_peftplug_packing_guard" not in self.__dict__:
-            self.__dict__["_peftplug_packing_guard"] = self.base_model.register_forward_pre_hook(
-                _refuse_packed_batches(_type_value(config.peft_type)), with_kwargs=True)
+            self.__dict__["_peftplug_packing_guard"] = (
+                self.base_model.register_forward_pre_hook(
+                    _refuse_packed_batches(_type_value(config.peft_type)), with_kwargs=True),
+                self.register_forward_pre_hook(_refuse_restarting_positions, with_kwargs=True),
+            )
 
     def active_peft_config(self):
         config = original_active.fget(self)
