@@ -40,7 +40,8 @@ class OFTv2Config(PeftConfig):
         neumann_terms: Series length ``n`` of the Neumann forms (highest power ``n - 1``), 2..64.
         block_share: Share one block (and its parameters) across all blocks of a layer.
         module_dropout: OFT block dropout: in training mode each rotation block is replaced by the identity with
-            this probability (independently per block and step). In ``[0, 1)``.
+            this probability (independently per block and step). In ``[0, 1)``. Each layer holds it as an
+            ``nn.Dropout`` (as LoRA's ``lora_dropout``), so TRL's ``disable_dropout`` switches it off.
         max_q_norm: Optional bound on the Frobenius norm of each skew block ``Q_i``: blocks whose norm exceeds it
             are rescaled onto the bound in the forward pass (differentiably). Since ``||Q||_2 <= ||Q||_F``, a bound
             below 1 keeps the Neumann series convergent. ``None`` disables it.

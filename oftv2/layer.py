@@ -170,7 +170,7 @@ class OFTv2Layer(BaseTunerLayer):
     """
 
     adapter_layer_names: tuple[str, ...] = ("oftv2_Q",)
-    other_param_names: tuple[str, ...] = ("oftv2_block_size", "oftv2_n_blocks", "oftv2_settings")
+    other_param_names: tuple[str, ...] = ("oftv2_block_size", "oftv2_n_blocks", "oftv2_settings", "oftv2_dropout")
     # False: R acts on the layer's input and a merge computes W Rᵀ (Linear, Conv). True: R acts on the layer's
     # output rows, y = base(x) R, and a merge computes W R (Embedding, whose weight rows are its outputs).
     rotates_output: bool = False
@@ -187,6 +187,9 @@ class OFTv2Layer(BaseTunerLayer):
         self.oftv2_block_size: dict[str, int] = {}
         self.oftv2_n_blocks: dict[str, int] = {}
         self.oftv2_settings: dict[str, RotationSettings] = {}
+        # Block dropout as an nn.Dropout whose `p` the forward reads (as LoRA's `lora_dropout`): TRL's `disable_dropout`
+        # (DPOTrainer's default) sets p = 0 on every nn.Dropout, and must switch block dropout off too.
+        self.oftv2_dropout = nn.ModuleDict()
         # Kernels each adapter runs on its current device (oftv2.dispatch): resolved here and on moves, read by
         # every forward.
         self._oftv2_kernels: dict[str, KernelPlan] = {}
@@ -229,6 +232,8 @@ class OFTv2Layer(BaseTunerLayer):
             impl=config.kernel_impl,
             conv_evaluation=config.conv_evaluation,
         )
+        p = float(config.module_dropout)
+        self.oftv2_dropout[adapter_name] = nn.Dropout(p) if p > 0 else nn.Identity()
         self._move_adapter_to_device_of_base_layer(adapter_name)
         self.refresh_kernels(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
@@ -320,7 +325,8 @@ class OFTv2Layer(BaseTunerLayer):
             dtype: The mask's dtype (the series').
             device: Its device.
         """
-        p = self.oftv2_settings[adapter_name].dropout
+        # The nn.Dropout's p, which TRL's disable_dropout may have set to 0 since (see __init__).
+        p = self.oftv2_settings[adapter_name].dropout and float(getattr(self.oftv2_dropout[adapter_name], "p", 0.0))
         if p <= 0.0:
             return None
         drop = torch.rand(self.oftv2_n_blocks[adapter_name], 1, 1, device=device) < p

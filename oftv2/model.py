@@ -216,6 +216,23 @@ class OFTv2Model(UpgradesLegacyKeys, BaseTuner):
             )
         yield
 
+    def add_weighted_adapter(self, *args, **kwargs) -> None:
+        """Refused in one line: without this method the call fell through to the base model and failed with
+        ``AttributeError: 'LlamaForCausalLM' object has no attribute 'add_weighted_adapter'``.
+
+        Args:
+            *args: LoRA's ``(adapters, weights, adapter_name, ...)`` (unused).
+            **kwargs: Unused.
+
+        Raises:
+            ValueError: Always.
+        """
+        raise ValueError(
+            "OFTv2 has no add_weighted_adapter (LoRA's linear combination of low-rank updates): OFTv2 adapters are "
+            "rotations. To apply several in sequence, activate them together with model.base_model.set_adapter([...]) "
+            "(y = base(x R1 R2 ...)), then merge_and_unload() if one merged model is wanted"
+        )
+
     def _check_merge_allowed(self):
         super()._check_merge_allowed()
         if getattr(self.model, "quantization_method", None) == "gptq":
