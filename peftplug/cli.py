@@ -515,7 +515,10 @@ def lightning_main(argv: Sequence[str]) -> int:
     """
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+    from peftplug.predictions import check_predictions_flag
+
     check_config_files(argv)
+    check_predictions_flag(argv)  # fit/validate/test would ignore it
     try:
         done = cli(argv)
     except MisconfigurationException as err:

@@ -40,6 +40,28 @@ def check_runs_batches(trainer: Any, subcommand: str) -> None:
                           f"that loop during fit); add --trainer.{name} 1.0")
 
 
+def check_predictions_flag(argv: list[str] | tuple[str, ...]) -> None:
+    """Refuses ``--predictions_file`` on the command line of ``fit``/``validate``/``test``, which write no
+    predictions: LightningCLI accepted it for every subcommand and ignored it there, so ``peftplug test
+    --predictions_file F`` printed its metrics, exited 0 and wrote no ``F``. A recipe's ``predictions_file:``
+    (shared by ``predict`` and ``fit``) is left alone; only the flag the user typed for this command is refused.
+
+    Args:
+        argv: The arguments, starting with the subcommand.
+
+    Raises:
+        ConfigError: If a subcommand other than ``predict`` is given the flag (or an abbreviation of it).
+    """
+    if not argv or argv[0] not in ("fit", "validate", "test"):
+        return
+    for arg in argv[1:]:
+        name = arg.split("=", 1)[0].replace("-", "_")
+        # jsonargparse takes unambiguous abbreviations (--pred); "--pr" would also be --print_config's.
+        if len(name) >= 6 and "__predictions_file".startswith(name):
+            raise ConfigError(f"--predictions_file: `peftplug {argv[0]}` writes no predictions (only `peftplug "
+                              "predict` does); drop the flag, or run `peftplug predict` with it")
+
+
 def check_predict_output(trainer: Any, path: str | None) -> None:
     """Refuses, before the model runs, a ``predict`` whose predictions could not all be written.
 

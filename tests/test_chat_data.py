@@ -64,7 +64,7 @@ def test_long_prompts_are_cut_not_the_answer_or_template(tokenizer):
 
 def test_no_room_for_the_answer_names_the_row(tmp_path, tokenizer):
     rows = [{"prompt": "short", "response": "ok"}, {"prompt": "short", "response": "x" * 100}] * 3
-    with pytest.raises(DataError, match=r"data file '[^']*' row 2 \(train split\): the chat template and the "
+    with pytest.raises(DataError, match=r"data file '[^']*' row 2 \(validation split\): the chat template and the "
                                         r"answer take \d+ tokens"):
         _setup(tokenizer, train_file=_chat_file(tmp_path, rows), validation_file=_chat_file(tmp_path, rows, "v.jsonl"),
                max_length=90)

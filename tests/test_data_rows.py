@@ -78,9 +78,9 @@ def test_plain_text_null_is_refused(tmp_path):
 def test_causal_lm_refuses_a_response_cut_away_by_max_length(tmp_path):
     rows = _good() + [{"prompt": "word " * 200, "response": " yes"}]
     train = _write(tmp_path / "train.jsonl", rows)
-    data = CausalLMData(train_file=train, validation_file=_write(tmp_path / "v.jsonl", _good(2)),
+    data = CausalLMData(train_file=_write(tmp_path / "t.jsonl", _good()), validation_file=train,
                         tokenizer="tiny:llama", max_length=64, **PAIRS)
-    with pytest.raises(DataError, match=r"row 7 \(train split\): the prompt takes \d+ tokens, leaving no room for "
+    with pytest.raises(DataError, match=r"row 7 \(validation split\): the prompt takes \d+ tokens, leaving no room for "
                                         r"the response within max_length=64"):
         data.setup()
 

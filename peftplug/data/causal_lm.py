@@ -88,6 +88,7 @@ class CausalLMData(TokenizedDataModule):
         tail = tokenizer(response, add_special_tokens=False)["input_ids"] + eos
         if len(head) >= self.max_length:
             # Every loss token would be cut away: the row's loss is NaN (0/0) and every such step is skipped.
+            # setup() skips such a training row with a warning and refuses a held-out one (RowErrors).
             raise no_room("the prompt", len(head), "the response", self.max_length)
         ids = (head + tail)[: self.max_length]
         labels = ([-100] * len(head) + tail)[: self.max_length]
@@ -120,7 +121,7 @@ class CausalLMData(TokenizedDataModule):
         raw = read_splits(self.files, columns, self.val_fraction, self.seed, text_columns=columns)
         for split, cols in raw.items():
             prompts, encoded = [], []
-            errors = RowErrors(split, cols)
+            errors = RowErrors(split, cols, skip_too_long=split == "train")
             for index, row in enumerate(zip(*(cols[c] for c in columns))):
                 with errors.row(index):
                     # The rule ChatData applies to its rows: no missing text, no empty answer, an answer that fits.
@@ -130,7 +131,7 @@ class CausalLMData(TokenizedDataModule):
                         prompt, response = row_text(row[0], "text"), None
                     encoded.append(self._encode(tokenizer, task, prompt, response))
                     prompts.append(prompt)
-            errors.raise_if_any()
+            errors.raise_if_any(kept=len(encoded), max_length=self.max_length)
             self.splits[split] = encoded
             self.prompts[split] = prompts
             if not self.splits[split]:

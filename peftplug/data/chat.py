@@ -10,8 +10,9 @@ its own: a file's system turn wins.
 Loss is on the assistant's tokens only (every assistant turn with loss, each with its end-of-turn token); everything
 else is masked with -100. When an example is longer than ``max_length`` whole earlier exchanges are dropped, oldest
 first (the system turn kept), then the last **user turn** is cut (its end is dropped, token-exactly), never the
-template or an answer; if even one token of it leaves no room for the answer, the row is refused with an error
-that names its file and row.
+template or an answer; if even one token of it leaves no room for the answer, a training row is skipped (all such
+rows counted in one warning, as TRL/Axolotl never stop a run for one long example) and a validation/test row is
+refused with an error that names its file and row (a held-out metric must count every row of the file).
 
 Validation and test batches also carry the left-padded prompts (``gen_input_ids``, ``gen_attention_mask``: the
 conversation up to its last answer, ending with the assistant header) and the reference answers (``gen_answers``:
@@ -188,7 +189,9 @@ class ChatData(TokenizedDataModule):
             stage: Lightning stage (unused: every split is prepared).
 
         Raises:
-            DataError: For a malformed row, or one that cannot fit ``max_length`` (naming its file and row).
+            DataError: For a malformed row, a validation/test row that cannot fit ``max_length`` (naming its file
+                and row), or a training split none of whose rows fits (a training row that does not fit is
+                skipped with a warning).
         """
         if self.splits:
             return
@@ -197,7 +200,7 @@ class ChatData(TokenizedDataModule):
         for split, rows in self.load_rows().items():
             examples, dropped = [], 0
             sources = self._row_sources.get(split, {})
-            errors = RowErrors(split, sources)
+            errors = RowErrors(split, sources, skip_too_long=split == "train")
             for index, row in enumerate(rows):
                 with errors.row(index):
                     encoded = encode_conversation(tokenizer, self.row_turns(row), self.max_length)
@@ -206,7 +209,7 @@ class ChatData(TokenizedDataModule):
                                      "attention_mask": [1] * len(encoded.input_ids), "labels": encoded.labels,
                                      "prompt_ids": encoded.input_ids[: encoded.prompt_length],
                                      "answer_text": encoded.answer_text})
-            errors.raise_if_any()
+            errors.raise_if_any(kept=len(examples), max_length=self.max_length)
             if not examples:
                 raise DataError(f"the {split} split is empty")
             self.splits[split], self.dropped_turns[split] = examples, dropped

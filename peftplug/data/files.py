@@ -244,27 +244,41 @@ def row_name(split: str, cols: dict[str, list], index: int) -> str:
     return f"data file {str(path)!r} row {row} ({split} split)"
 
 
+class TooLongRow(DataError):
+    """A row that ``max_length`` leaves no room for (see :func:`no_room`): a training split skips it with a warning
+    (:class:`RowErrors` with ``skip_too_long``), a held-out split refuses it."""
+
+
 class RowErrors:
     """The bad rows of one split, reported together: the first in full, then how many more and which.
 
     A file with a dozen too-long answers is then fixed in one pass instead of a dozen runs. Use::
 
-        errors = RowErrors(split, cols)
+        errors = RowErrors(split, cols, skip_too_long=split == "train")
         for index, row in enumerate(rows):
             with errors.row(index):
                 ...  # raises DataError for a bad row; the rest of the block is skipped
-        errors.raise_if_any()
+        errors.raise_if_any(kept=len(examples), max_length=max_length)
+
+    With ``skip_too_long`` a row that does not fit ``max_length`` (:class:`TooLongRow`) is left out and counted in one
+    warning instead of stopping the run, as TRL, torchtune and Axolotl never stop a run for one long example (they
+    truncate it, or drop it with a count); cutting the answer is not an option here (an answer is never cut). Only
+    the training split skips: a held-out split that lost rows would give a metric over other rows than the file's,
+    and ``predict``'s ``index`` would no longer be the row's position, so there it stays an error.
 
     Args:
         split: The split's name.
         cols: The split's columns (with :data:`ROW_SOURCE`, see :func:`row_name`).
+        skip_too_long: Skip rows that do not fit ``max_length`` (with a warning) instead of refusing them.
     """
 
     SHOWN = 5  # further rows named in the message
 
-    def __init__(self, split: str, cols: dict[str, list]) -> None:
+    def __init__(self, split: str, cols: dict[str, list], skip_too_long: bool = False) -> None:
         self.split, self.cols = split, cols
+        self.skip_too_long = skip_too_long
         self.failed: list[tuple[int, str]] = []
+        self.skipped: list[tuple[int, str]] = []
 
     @contextlib.contextmanager
     def row(self, index: int):
@@ -275,24 +289,48 @@ class RowErrors:
         """
         try:
             yield
+        except TooLongRow as err:
+            (self.skipped if self.skip_too_long else self.failed).append((index, str(err)))
         except DataError as err:
             self.failed.append((index, str(err)))
+
+    def _listed(self, rows: list[tuple[int, str]], what: str) -> str:
+        """The first of ``rows`` in full, then how many more and which (``what``: how they are called)."""
+        (first, message), rest = rows[0], rows[1:]
+        text = f"{row_name(self.split, self.cols, first)}: {message}"
+        if rest:
+            shown = ", ".join(self._short_name(i) for i, _ in rest[: self.SHOWN])
+            more = ", ..." if len(rest) > self.SHOWN else ""
+            text += f" (and {len(rest)} more {what} of the {self.split} split: {shown}{more})"
+        return text
 
     def _short_name(self, index: int) -> str:
         sources = self.cols.get(ROW_SOURCE)
         return str(sources[index][1]) if sources else str(index)
 
-    def raise_if_any(self) -> None:
-        """Raises one DataError for the recorded rows (none: nothing)."""
-        if not self.failed:
+    def raise_if_any(self, kept: int | None = None, max_length: int | None = None) -> None:
+        """Raises one DataError for the recorded bad rows (none: nothing); then warns of the skipped ones.
+
+        Args:
+            kept: How many rows of the split were kept (to say how many were skipped, and to refuse a split whose
+                every row was skipped); ``None`` when nothing is skipped.
+            max_length: The data module's ``max_length``, named in the warning.
+
+        Raises:
+            DataError: If a row was bad, or every row of the split was too long.
+        """
+        if self.failed:
+            raise DataError(self._listed(self.failed, "row(s)"))
+        if not self.skipped:
             return
-        (first, message), rest = self.failed[0], self.failed[1:]
-        text = f"{row_name(self.split, self.cols, first)}: {message}"
-        if rest:
-            shown = ", ".join(self._short_name(i) for i, _ in rest[: self.SHOWN])
-            more = ", ..." if len(rest) > self.SHOWN else ""
-            text += f" (and {len(rest)} more row(s) of the {self.split} split: {shown}{more})"
-        raise DataError(text)
+        listed = self._listed(self.skipped, "too-long row(s)")
+        if not kept:
+            raise DataError(f"every row of the {self.split} split is too long for data.max_length={max_length}: "
+                            f"{listed}")
+        from lightning.pytorch.utilities import rank_zero_warn  # lazy: reading files needs no Lightning
+
+        rank_zero_warn(f"peftplug: skipped {len(self.skipped)} of {len(self.skipped) + kept} {self.split} rows that "
+                       f"do not fit data.max_length={max_length}, {listed}; raise data.max_length to train on them")
 
 
 def row_text(value: object, name: str, blank_ok: bool = False) -> str:
@@ -320,7 +358,7 @@ def row_text(value: object, name: str, blank_ok: bool = False) -> str:
     return str(value)
 
 
-def no_room(taken_by: str, tokens: int, left_for: str, max_length: int) -> DataError:
+def no_room(taken_by: str, tokens: int, left_for: str, max_length: int) -> TooLongRow:
     """The error of a row whose fixed part leaves nothing of the part that must be kept within ``max_length``.
 
     Args:
@@ -329,8 +367,8 @@ def no_room(taken_by: str, tokens: int, left_for: str, max_length: int) -> DataE
         left_for: What gets no room (``the response``, ``the prompt``).
         max_length: The data module's ``max_length``.
     """
-    return DataError(f"{taken_by} take{'' if ' and ' in taken_by else 's'} {tokens} tokens, leaving no room for "
-                     f"{left_for} within max_length={max_length}")
+    return TooLongRow(f"{taken_by} take{'' if ' and ' in taken_by else 's'} {tokens} tokens, leaving no room for "
+                      f"{left_for} within max_length={max_length}")
 
 
 def read_splits(files: dict[str, str | None], columns: Sequence[str], val_fraction: float,

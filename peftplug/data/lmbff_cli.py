@@ -35,7 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {write_kshot_folder(task, ns.data_dir, ns.k, ns.seeds)}", file=sys.stderr)
         return 0
 
-    return run_command("python -m peftplug.data.lmbff_cli", command, sys.argv[1:] if argv is None else argv)
+    # Named as the user runs it (`peftplug kshot`, its usage line's name too), not by its module path.
+    return run_command("peftplug kshot", command, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":
