@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from peftplug.errors import CheckpointError, ConfigError, MissingFileError, one_line
+from peftplug.errors import CheckpointError, ConfigError, MissingFileError, PeftplugError, one_line
 from peftplug.fileio import atomic_directory, atomic_write, usual_mode
 
 BASE_RECORD = "peftplug_base.json"
@@ -135,7 +135,9 @@ def export_module(module: Any, output: str | os.PathLike, merge: bool = False, o
 
     Raises:
         MissingFileError: If ``output`` exists, is not empty, and ``overwrite`` is not set.
-        ConfigError: If ``merge`` is asked for a module without an adapter.
+        ConfigError: If ``merge`` is asked for a module without an adapter, for a prompt-learning adapter (nothing
+            to merge into the weights), or the adapter's tuner refuses the merge (its reason in one line); nothing
+            is written then.
     """
     from peft import PeftModel
 
@@ -145,11 +147,26 @@ def export_module(module: Any, output: str | os.PathLike, merge: bool = False, o
     adapter = isinstance(module.model, PeftModel)
     if merge and not adapter:
         raise ConfigError("--merge needs a model with a PEFT adapter")
+    config = module.model.peft_config.get(module.model.active_adapter) if adapter else None
+    if merge and getattr(config, "is_prompt_learning", False):
+        # Such an adapter (prompt tuning, prefix tuning, PCT) adds tokens or cached keys to every input, not a
+        # weight update: PEFT has no merge_and_unload for it (an AttributeError deep inside PEFT, before).
+        kind = getattr(config.peft_type, "value", config.peft_type)
+        raise ConfigError(f"--merge: a {kind} adapter is a learned prompt, not a change of the weights, so it cannot "
+                          "be merged into the base model; export the adapter without --merge")
     # atomic_directory (as --as_lora uses): the folder gets the umask's mode, not mkdtemp's 0700, and an
     # overwritten export is moved aside before the new one is renamed in, so a crash leaves one of the two.
     with atomic_directory(target, overwrite=target.exists()) as staging:
         if merge:
-            module.model.merge_and_unload().save_pretrained(staging)
+            try:
+                merged = module.model.merge_and_unload()
+            except ValueError as err:
+                if isinstance(err, PeftplugError):
+                    raise
+                # The tuner's own refusal, checked before any weight changes (a steering vector that acts on some
+                # positions only, a block without a bias that holds it exactly): one line, not a traceback.
+                raise ConfigError(f"--merge: {one_line(err, 300)}; export the adapter without --merge") from err
+            merged.save_pretrained(staging)
         else:
             module.model.save_pretrained(staging)
             if adapter:  # a module without an adapter saved a whole model: nothing for load_adapter to read

@@ -237,6 +237,34 @@ def _check_safetensors(path: Path) -> None:
                               "(as written by save_pretrained)")
 
 
+def _check_pickled_weights(path: Path) -> None:
+    """Raises CheckpointError unless ``path`` (an ``adapter_model.bin``) loads as PEFT loads it: ``torch.load`` with
+    ``weights_only=True``, to a dict of tensors. Memory-mapped where torch can (its zip format), so a large file is
+    not read twice; garbage or a truncated file gave torch's multi-line ``UnpicklingError`` from inside PEFT."""
+    import torch
+
+    expected = "expected the tensors PEFT's save_pretrained writes (or adapter_model.safetensors)"
+    try:
+        with open(path, "rb") as f:
+            zipped = f.read(2) == b"PK"
+        weights = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, UnicodeDecodeError,
+            zipfile.BadZipFile) as err:
+        # torch's own text is a paragraph advising weights_only=False, which would run code from a foreign file.
+        if isinstance(err, OSError) and err.strerror:
+            why = f"cannot be read: {err.strerror}"
+        elif "Unsupported global" in str(err):
+            why = "holds Python objects beyond tensors (not unpickled: that could run code from the file)"
+        elif zipped:
+            why = "is truncated or damaged"
+        else:
+            why = "is not a PyTorch file (or is damaged)"
+        raise CheckpointError(f"adapter weights {str(path)!r} {why}; {expected}") from None
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        held = type(weights).__name__ if not isinstance(weights, dict) else "dict with values other than tensors"
+        raise CheckpointError(f"adapter weights {str(path)!r} hold a {held}; {expected}")
+
+
 def check_adapter_dir(path: str | os.PathLike) -> Path:
     """Checks a PEFT adapter folder before PEFT loads it; returns it as a ``Path``.
 
@@ -249,7 +277,8 @@ def check_adapter_dir(path: str | os.PathLike) -> Path:
     Raises:
         MissingFileError: If the folder does not exist.
         CheckpointError: If it is not a folder, has no (or an unreadable) ``adapter_config.json`` with a
-            ``peft_type``, has no adapter weights, or its ``adapter_model.safetensors`` is truncated or damaged.
+            ``peft_type``, has no adapter weights, or its ``adapter_model.safetensors`` (or ``adapter_model.bin``) is
+            truncated or damaged.
     """
     folder = Path(path).expanduser()
     expected = "expected an adapter folder written by save_pretrained or `peftplug export`"
@@ -272,6 +301,8 @@ def check_adapter_dir(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"adapter folder {str(folder)!r} has no {ADAPTER_WEIGHTS[0]}; {expected}")
     if weights[0].suffix == ".safetensors":
         _check_safetensors(weights[0])
+    else:
+        _check_pickled_weights(weights[0])
     return folder
 
 

@@ -60,7 +60,7 @@ class SteeringModel(UpgradesLegacyKeys, BaseTuner):
                 f"(valid indices 0..{len(blocks) - 1})"
             )
         if (model_config.get("is_encoder_decoder") and peft_config.positions in ("generated", "from_last_prompt")
-                and not path.startswith(("decoder", "model.decoder"))):
+                and not _decoder_of_encoder_decoder(self.model, path)):
             # The encoder never sees generated tokens: such a vector steered nothing, silently (T5: outputs equal
             # to the base model's at multiplier 50).
             raise ValueError(
@@ -343,7 +343,13 @@ class SteeringModel(UpgradesLegacyKeys, BaseTuner):
             ref = kwargs.get("inputs_embeds")
         if ref is None:
             return self.model.generate(*args, **kwargs)
-        with self.steer_context.prompt_length(ref.shape[1], generating=True):
+        length = ref.shape[1]
+        if any(_decoder_of_encoder_decoder(self.model, self._blocks(c)[0]) for c in self.peft_config.values()):
+            # The steered blocks are the decoder's, whose prompt is its start token(s) (decoder_input_ids, with
+            # the start token generate may prepend), not the encoder input: with the encoder's width, "generated"
+            # left the first tokens unsteered and "prompt" steered them. The first decoder forward holds exactly it.
+            length = None
+        with self.steer_context.prompt_length(length, generating=True):
             return self.model.generate(*args, **kwargs)
 
     # ------------------------------------------------------------------------------------------ merging
@@ -408,6 +414,17 @@ class SteeringModel(UpgradesLegacyKeys, BaseTuner):
         self.set_vectors(merged, adapter_name)
         # inject_adapter may have flipped requires_grad; keep the active adapters as they were.
         self.set_adapter(self.active_adapters)
+
+
+def _decoder_of_encoder_decoder(model: nn.Module, path: str) -> bool:
+    """Whether ``path`` (of the steered blocks) is the decoder's of an encoder-decoder ``model``.
+
+    Args:
+        model: The transformers model.
+        path: Dotted path of its steered ``nn.ModuleList``.
+    """
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False)) and path.startswith(
+        ("decoder", "model.decoder"))
 
 
 def keep_created_biases(model: nn.Module, blocks: nn.ModuleList, bias_proj: str) -> None:

@@ -62,7 +62,7 @@ class SteeringContext:
     """
 
     def __init__(self):
-        self._explicit_prompt_len: list[int] = []
+        self._explicit_prompt_len: list[list] = []  # [length or None, generating]
         self._auto_prompt_len: int | None = None
         self._auto_last_prompt: torch.Tensor | None = None
         self._signature: inspect.Signature | None = None
@@ -127,13 +127,16 @@ class SteeringContext:
         """Declares the prompt length for the forwards inside the block (``generate`` uses this).
 
         Args:
-            length: Number of prompt tokens (the padded prompt width for a batch).
+            length: Number of prompt tokens (the padded prompt width for a batch), or ``None``: the width of the
+                first forward inside the block (an encoder-decoder's decoder inside ``generate``, whose prompt is
+                its start token(s), not the encoder input; the first decoder forward holds exactly them, with or
+                without a KV cache).
             generating: The forwards are ``generate``'s: every token after the prompt is then a real token
                 (``generate`` extends the attention mask with ones), so those chunks need no padding mask.
         """
-        if int(length) < 0:
+        if length is not None and int(length) < 0:
             raise ValueError(f"prompt length must be >= 0, got {length}")
-        self._explicit_prompt_len.append((int(length), bool(generating)))
+        self._explicit_prompt_len.append([None if length is None else int(length), bool(generating)])
         try:
             yield
         finally:
@@ -159,7 +162,10 @@ class SteeringContext:
         mask2d = _padding_mask(attention_mask)
         generating = False
         if self._explicit_prompt_len:
-            prompt_len, generating = self._explicit_prompt_len[-1]
+            declared = self._explicit_prompt_len[-1]
+            if declared[0] is None:  # "the first forward's width": this is the first forward
+                declared[0] = past + length
+            prompt_len, generating = declared
         elif past == 0:
             prompt_len = length
             self._auto_prompt_len = length
