@@ -440,12 +440,14 @@ def load_model(
         raise
     # What adapters of this model record as base_model_name_or_path (get_peft_model reads it from the instance).
     model.name_or_path = model.config.name_or_path = recorded_model_name(name)
+    # Before any forward: on AVX512-BF16 CPUs bitsandbytes would repack every 4-bit weight in place at the first
+    # eval forward (scales rounded to bf16, a matmul without autograd), whatever adapter comes later. Also for a
+    # folder saved already quantized (a --merge export of a QOFT run) loaded with quantization "none": it has 4-bit
+    # layers all the same (its logits were 3.5e-3 off the merged model in memory). Nothing happens without them.
+    keep_exact_4bit_layout(model)
     if bnb is not None:
         from peft import prepare_model_for_kbit_training
 
-        # Before any forward: on AVX512-BF16 CPUs bitsandbytes would repack every 4-bit weight in place at the first
-        # eval forward (scales rounded to bf16, a matmul without autograd), whatever adapter comes later.
-        keep_exact_4bit_layout(model)
         # Freezes the body and casts every fp16/bf16 weight left unquantized (norms, embeddings, heads) to fp32.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return model
