@@ -41,6 +41,7 @@ from peftplug.config_errors import (  # condense_argument_error, config_field: r
 from peftplug.config_names import (
     check_init_args,
     check_peft_spec,
+    check_peft_type_of_class,
     given_peft_class_path,
     import_class,
     suggest,
@@ -293,6 +294,7 @@ def _cli_classes():
                 raise ConfigError(f"model.peft.init_args.{key}: {value!r} does not fit the type of this field of "
                                   "the PEFT config class")
             check_peft_spec(peft)
+            check_peft_type_of_class(peft.as_dict() if hasattr(peft, "as_dict") else peft)
 
         def before_instantiate_classes(self) -> None:
             """Builds every configured class except model and data (Lightning's) through ConfigFieldInstantiator;

@@ -230,6 +230,53 @@ def check_peft_spec(spec: Any, field: str = "model.peft") -> None:
             check_init_types(known[peft_type], {k: v for k, v in spec.items() if k not in SAVED_BOOKKEEPING}, field)
 
 
+def _public_path(cls: type) -> str:
+    """``cls``'s shortest import path: ``peft.LoraConfig``, ``oftv2.OFTv2Config`` (else its module's)."""
+    top = cls.__module__.split(".")[0]
+    package = importlib.import_module(top)
+    return f"{top}.{cls.__name__}" if getattr(package, cls.__name__, None) is cls else f"{cls.__module__}.{cls.__name__}"
+
+
+def check_peft_type_of_class(spec: Any, field: str = "model.peft") -> None:
+    """Refuses a ``peft_type`` among a ``class_path`` config's ``init_args`` that is not that class's type.
+
+    A dict given on the command line (``--model.peft '{"peft_type": "LORA", "r": 4}'``) over a recipe whose
+    ``model.peft`` has a ``class_path`` is merged into that class's ``init_args`` by jsonargparse, and every PEFT
+    config class sets its own type in ``__post_init__``: the run trained the recipe's adapter (OFTv2 with r=4,
+    16M parameters) while the user asked for LoRA, silently.
+
+    Args:
+        spec: The ``model.peft`` value as a dict (anything without ``class_path`` is left alone).
+        field: The config field, for messages.
+
+    Raises:
+        ConfigError: If ``init_args.peft_type`` names a known type whose config class is not the ``class_path``'s.
+    """
+    if not isinstance(spec, dict) or "class_path" not in spec:
+        return
+    raw = (spec.get("init_args") or {}).get("peft_type")
+    if raw is None:
+        return
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    from peftplug.methods import import_plugin_for
+
+    wanted = str(getattr(raw, "value", raw)).upper()
+    import_plugin_for(wanted)
+    known = {str(getattr(k, "value", k)): v for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
+    cls = import_class(spec["class_path"], f"{field}.class_path")
+    if wanted not in known:
+        raise ConfigError(f"{field}.init_args.peft_type: unknown type {wanted!r}{hint(wanted, known)}")
+    if issubclass(cls, known[wanted]):
+        return
+    target = _public_path(known[wanted])
+    raise ConfigError(
+        f"{field}: peft_type {wanted!r} was given to {spec['class_path']} (a dict on the command line is merged into "
+        f"the recipe's class_path config, which would train that adapter instead); to switch adapters name the "
+        f"class: --model.peft {target} --model.peft.init_args.<setting> <value> ..."
+    )
+
+
 def saved_config_extras(cls: type, spec: dict) -> list[str]:
     """The keys of a PEFT-saved config dict (one with ``peft_version``) that the installed ``cls`` does not have:
     settings of another PEFT release, which ``PeftConfig.from_pretrained`` drops with a warning. ``[]`` for a dict

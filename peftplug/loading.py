@@ -469,7 +469,7 @@ def build_peft_config(spec: Any, task: str):
     from peft import PeftConfig
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
-    from peftplug.config_names import SAVED_BOOKKEEPING, check_peft_spec, saved_config_extras
+    from peftplug.config_names import SAVED_BOOKKEEPING, check_peft_spec, hint, saved_config_extras
 
     check_peft_spec(spec)  # a misspelled class or key: one line with the closest valid name, not a TypeError
     if isinstance(spec, PeftConfig):
@@ -488,7 +488,8 @@ def build_peft_config(spec: Any, task: str):
         import_plugin_for(peft_type)
         known = {getattr(k, "value", k): v for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
         if peft_type not in known:
-            raise ConfigError(f"peft.peft_type {peft_type!r} is unknown; known types: {', '.join(sorted(known))}")
+            # The closest type first (a typo such as LORAA), else every known type.
+            raise ConfigError(f"peft.peft_type {peft_type!r} is unknown{hint(peft_type, sorted(known), len(known))}")
         cls = known[peft_type]
         extras = saved_config_extras(cls, spec)
         if extras:
