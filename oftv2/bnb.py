@@ -1,7 +1,8 @@
 """QOFT: OFTv2 on bitsandbytes 4-bit (``Linear4bit``: NF4/FP4, with or without double quantization) and 8-bit
 (``Linear8bitLt``) bases.
 
-Forward: rotate the input block-wise (the adapter stays fp32/bf16), then call the quantized layer unchanged. On
+Forward: rotate the input block-wise (the adapter stays fp32/bf16), then call the quantized layer unchanged (on CPU,
+where bitsandbytes' kernels scramble layers whose quantization blocks straddle rows, decode the weight here). On
 CUDA with Triton, a single active adapter on a 4-bit base can run the fused ``peftplug_kernels.ops.nf4_rotate_matmul``
 (rotation in the GEMM prologue, 4-bit dequantized on the fly) instead: always with ``kernel_impl="triton"`` (a
 ``ValueError`` naming the layer where the fused kernel cannot run it, e.g. fp32 compute), and under ``"auto"`` only
@@ -391,7 +392,10 @@ class Linear4bit(_QuantizedOFTv2):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         name = None if self.disable_adapters or self.merged else self._fused_adapter(x)
         if name is None:
-            return super().forward(x, *args, **kwargs)
+            base = self.base_layer
+            if args or kwargs or not _cpu_blocks_straddle_rows(base, x) or base is not self.get_base_layer():
+                return super().forward(x, *args, **kwargs)
+            return _stored_weight_forward(base, x if self.adapters_bypassed() else self.rotate_input(x))
         base = self.get_base_layer()
         compute = base.compute_dtype or x.dtype
         bias = None if base.bias is None else base.bias.to(compute)
@@ -399,6 +403,49 @@ class Linear4bit(_QuantizedOFTv2):
         # The plan chose the fused kernel: "triton", resolved already (no dispatch in the forward).
         y = ops.nf4_rotate_matmul(x.to(compute), rotation, base.weight, base.weight.quant_state, bias, impl="triton")
         return y.to(x.dtype)
+
+
+def _cpu_blocks_straddle_rows(base: nn.Module, x: torch.Tensor) -> bool:
+    """Whether bitsandbytes 0.50's CPU forward would scramble this layer: its CPU 4-bit kernels restart quantization
+    blocks at every row, its quantizer lays them over the flat weight (27 % off at in_features 96, blocksize 64).
+
+    Args:
+        base: A bitsandbytes ``Linear4bit``; x: its input.
+    """
+    state = getattr(base.weight, "quant_state", None)
+    return (x.is_cpu and state is not None and not is_repacked(base)
+            and int(state.shape[1]) % int(state.blocksize) != 0)
+
+
+class _StoredWeightLinear(torch.autograd.Function):
+    """``x deq(W)ᵀ + b`` with ``deq(W)`` decoded from the stored format; decoded again in the backward (not kept)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, quant_state, bias):
+        ctx.save_for_backward(weight)
+        ctx.quant_state = quant_state
+        return torch.nn.functional.linear(x, ops.dequantize_4bit(weight, quant_state, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight = ctx.saved_tensors[0]
+        grad_x = grad @ ops.dequantize_4bit(weight, ctx.quant_state, grad.dtype) if ctx.needs_input_grad[0] else None
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[3] else None
+        return grad_x, None, None, grad_bias
+
+
+def _stored_weight_forward(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes' ``Linear4bit.forward`` (compute dtype, bias cast, output dtype) on the stored weight.
+
+    Args:
+        base: A ``Linear4bit`` for which :func:`_cpu_blocks_straddle_rows` holds; x: its (rotated) input.
+    """
+    if not getattr(base, "compute_type_is_set", True):  # as bitsandbytes: the first input sets an unset dtype
+        base.set_compute_type(x)
+        base.compute_type_is_set = True
+    compute = base.compute_dtype or x.dtype
+    bias = None if base.bias is None else base.bias.to(compute)
+    return _StoredWeightLinear.apply(x.to(compute), base.weight.data, base.weight.quant_state, bias).to(x.dtype)
 
 
 class Linear8bitLt(_QuantizedOFTv2):

@@ -150,9 +150,12 @@ def kernel_choice(op: str, device: torch.device | str) -> str:
         ValueError: For an unknown op, or a table entry naming an unknown kernel.
     """
     _check("op", op, OPS)
-    kernel = _entry(device).choices[op].kernel
-    _check(f"the dispatch table's kernel for {op!r}", kernel, KERNELS)
-    return kernel
+    choice = _entry(device).choices.get(op)
+    if choice is None:  # a hand-built entry that left an op out (KeyError before)
+        raise ValueError(f"the dispatch table's entry {device_kind(device)!r} has no choice for op {op!r}; every "
+                         f"entry must name one of {KERNELS} for each of {OPS}")
+    _check(f"the dispatch table's kernel for {op!r}", choice.kernel, KERNELS)
+    return choice.kernel
 
 
 def fused_nf4_max_tokens(device: torch.device | str) -> int:
@@ -160,8 +163,16 @@ def fused_nf4_max_tokens(device: torch.device | str) -> int:
 
     Args:
         device: Where the layer lives.
+
+    Raises:
+        ValueError: For a hand-edited entry whose threshold is not an integer >= 0 (a QOFT forward compared tokens
+            with it and failed with a TypeError, or fused nothing for a negative one, silently).
     """
-    return _entry(device).fused_nf4_max_tokens
+    tokens = _entry(device).fused_nf4_max_tokens
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"the dispatch table's fused_nf4_max_tokens of {device_kind(device)!r} must be an integer "
+                         f">= 0 (0 = never fuse), got {tokens!r}")
+    return tokens
 
 
 def evidence(op: str, device: torch.device | str) -> str:
