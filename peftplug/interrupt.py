@@ -6,7 +6,8 @@ stays ignored). The first signal only sets a flag; the current optimizer step fi
 ``accumulate_grad_batches`` > 1 the rest of its accumulation window, since a checkpoint holds no accumulated
 gradients (and a zeroth-order step perturbs the parameters in place, so a checkpoint taken inside a step would hold
 perturbed weights) — and at that boundary, where Lightning's ``ModelCheckpoint`` saves too, a checkpoint
-``last.ckpt`` is written into the run's checkpoint folder and the trainer stops. ``peftplug fit --config ...
+``last.ckpt`` is written into the run's checkpoint folder and the trainer stops, without the validation pass
+Lightning runs before every early stop (one that was due after that batch anyway still runs). ``peftplug fit --config ...
 --ckpt_path last`` then resumes exactly: optimizer, LR scheduler, loops, the training loader's position
 (:mod:`peftplug.data.resumable`) and the RNG states (:mod:`peftplug.resume`). A second signal aborts at once (nothing more is written). What is lost: on Ctrl-C or
 SIGTERM nothing; on SIGKILL or a lost machine everything since the last periodic checkpoint. The stop outranks the recipe's
@@ -149,10 +150,31 @@ class GracefulInterrupt(Callback):
         # the minimum (the resumed run rebuilds its trainer from the recipe, minimums included).
         trainer.fit_loop.min_epochs = None
         trainer.fit_loop.epoch_loop.min_steps = None
-        trainer.should_stop = True
+        self._stop_without_early_stop_validation(trainer)
         if trainer.is_global_zero:
             print(f"peftplug: stopped at step {trainer.global_step}; checkpoint written to {path} (resume with "
                   "--ckpt_path last or this path)", file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _stop_without_early_stop_validation(trainer: Any) -> None:
+        """Sets ``trainer.should_stop``, skipping the validation that Lightning runs only because of it.
+
+        Lightning validates before every early stop (``_should_check_val_fx`` is true once ``should_stop`` is set), so
+        a Ctrl-C waited for a pass over the whole validation set after the checkpoint had been written. That pass is
+        skipped unless validation was due after this batch anyway (``val_check_interval``, the epoch's end): a resumed
+        run fast-forwards past a validation due at its checkpoint's batch, so that one would never run otherwise.
+
+        Args:
+            trainer: The trainer.
+        """
+        epoch_loop = trainer.fit_loop.epoch_loop
+        try:  # Lightning 2.6's private loop API: another release without it just validates, as before
+            due = epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)  # before should_stop forces it
+        except (AttributeError, TypeError):
+            due = True
+        trainer.should_stop = True
+        if not due and hasattr(epoch_loop, "_skip_next_val"):
+            epoch_loop._skip_next_val = True  # read (and cleared) by this batch's on_advance_end
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Gives SIGINT and SIGTERM back."""

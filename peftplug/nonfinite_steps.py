@@ -61,6 +61,22 @@ class SkipsNonFiniteSteps:
             # Lightning steps an ``interval: step`` scheduler right after this optimizer step: hold that one.
             self._hold_scheduler = self.hparams.lr_scheduler_interval == "step"
 
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Lightning's gradient clipping, except after :meth:`on_before_optimizer_step` dropped every gradient.
+
+        There is nothing to clip then, and torch's ``clip_grad_value_`` (``gradient_clip_algorithm: value``) fails on
+        a list of no gradients: a run whose loss turned NaN ended in a RuntimeError instead of skipping the step.
+
+        Args:
+            optimizer: The optimizer about to step.
+            gradient_clip_val: ``trainer.gradient_clip_val``.
+            gradient_clip_algorithm: ``trainer.gradient_clip_algorithm`` (``norm`` or ``value``).
+        """
+        if all(p.grad is None for group in optimizer.param_groups for p in group["params"]):
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
         """Lightning's scheduler step, held once after a skipped update (Lightning asks only at the step's end for
         ``interval: step`` schedulers, at the epoch's end for ``epoch`` ones).

@@ -273,6 +273,36 @@ def check_resumed_length(scheduler: Any, trainer: Any, interval: str = "step", z
                       f"{why}. Resume with {flag}, or start a new run from the checkpoint's adapter")
 
 
+def check_plateau(scheduler: Any, trainer: Any, interval: str, zeroth_order: bool = False,
+                  field: str = "model.lr_scheduler") -> None:
+    """Refuses a first-order ``ReduceLROnPlateau`` that Lightning would step before ``val_loss`` exists.
+
+    Lightning steps it on ``val_loss`` at every scheduler step and raises ``MisconfigurationException`` when no
+    validation has logged it yet: after the first training step with ``interval: step``, after the first epoch when the
+    run does not validate. A recipe cannot set Lightning's ``monitor``/``frequency``/``strict`` keys (the module builds
+    that dict), so the refusal names what it can change. Zeroth-order runs step it once per validation themselves.
+
+    Args:
+        scheduler: The built scheduler.
+        trainer: The attached Lightning ``Trainer``, or ``None``.
+        interval: ``model.lr_scheduler_interval``.
+        zeroth_order: Whether training is zeroth-order.
+        field: The config field of the scheduler, for the message.
+
+    Raises:
+        ConfigError: Naming the setting to change.
+    """
+    if zeroth_order or not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return
+    if interval == "step":
+        raise ConfigError(f"model.lr_scheduler_interval: step steps {field} (ReduceLROnPlateau) after every training "
+                          "step, on a val_loss that exists only after a validation; use "
+                          "--model.lr_scheduler_interval epoch (it then steps after each epoch, on the latest val_loss)")
+    if trainer is not None and not trainer.limit_val_batches:
+        raise ConfigError(f"trainer.limit_val_batches: 0 runs no validation, and {field} (ReduceLROnPlateau) steps on "
+                          "val_loss; validate (limit_val_batches > 0) or use another scheduler")
+
+
 def build_lr_scheduler(factory: Callable[..., Any], optimizer: torch.optim.Optimizer, trainer: Any,
                        interval: str = "step", zeroth_order: bool = False,
                        field: str = "model.lr_scheduler") -> Any:
@@ -296,10 +326,11 @@ def build_lr_scheduler(factory: Callable[..., Any], optimizer: torch.optim.Optim
     run = run_length(trainer, interval, zeroth_order) if cls is None or needs_run else None
     fill = _fill_in(cls, kwargs, optimizer, run, field, zeroth_order) if cls is not None and run is not None else {}
     scheduler = factory(optimizer, **fill)
+    check_plateau(scheduler, trainer, interval, zeroth_order, field)
     if run is not None:
         check_length(scheduler, run, field)
     return scheduler
 
 
-__all__ = ["COMPOSITES", "LENGTH_ARGUMENTS", "OUTRUN", "CosineAnnealingLR", "RunLength", "build_lr_scheduler", "check_length",
+__all__ = ["COMPOSITES", "LENGTH_ARGUMENTS", "OUTRUN", "CosineAnnealingLR", "RunLength", "build_lr_scheduler", "check_length", "check_plateau",
            "check_resumed_length", "run_length"]
