@@ -82,7 +82,8 @@ def _built_dir(key: str, build: Any) -> str:
 
     The build goes into ``<cache>/built/`` (:func:`peftplug.gguf_models.cache_root`) and is kept under the hash of
     its content, so every process that builds the same model reuses one folder instead of leaving a new
-    ``/tmp/peftplug-*`` folder behind (the content, not the key, names it: a changed build gets a new folder).
+    ``/tmp/peftplug-*`` folder behind (the content, not the key, names it: a changed build gets a new folder). A
+    cached folder damaged from outside (a truncated or deleted file) no longer matches its name and is replaced.
     Where the cache cannot be written, a temporary folder is used and removed when the process exits.
     """
     if key not in _BUILT_DIRS:
@@ -106,11 +107,20 @@ def _cached_build(name: str, build: Any) -> str:
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", suffix=".tmp", dir=root))
     try:
         build(str(staging))
-        digest = hashlib.sha256()
-        for file in sorted(p for p in staging.rglob("*") if p.is_file()):
-            digest.update(str(file.relative_to(staging)).encode() + b"\0" + file.read_bytes())
-        final = root / f"{name}-{digest.hexdigest()[:16]}"
+        digest = _tree_digest(staging)
+        final = root / f"{name}-{digest[:16]}"
         usual_modes(staging)  # the cache may be shared
+        if final.is_dir() and _tree_digest(final) != digest:
+            # Damaged from outside (an interrupted copy of the cache, a deleted or truncated file): it would fail
+            # to load with a deserialization traceback. Named after its content, it must hold what was just built.
+            aside = Path(tempfile.mkdtemp(prefix=f".{name}-", suffix=".old", dir=root))
+            try:
+                os.replace(final, aside / "dir")
+            except OSError:
+                if final.is_dir() and _tree_digest(final) != digest:  # not another process that replaced it first
+                    raise  # (a read-only cache: _built_dir builds into a temporary folder instead)
+            finally:
+                shutil.rmtree(aside, ignore_errors=True)
         if not final.is_dir():
             try:
                 os.replace(staging, final)
@@ -120,6 +130,14 @@ def _cached_build(name: str, build: Any) -> str:
         return str(final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _tree_digest(folder: Path) -> str:
+    """SHA-256 over the relative paths and contents of the files under ``folder``."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(folder)).encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
 
 
 def _tiny_dir(family: str) -> str:

@@ -14,6 +14,13 @@ AVX2-only CPUs (and GPUs) never take that path. :func:`keep_exact_4bit_layout` s
 every 4-bit layer of a model (bitsandbytes then runs its portable dequantize + matmul on CPU, which has autograd),
 and refuses a model that an earlier forward already repacked: the exact weight cannot be restored from it.
 
+A third CPU fault it cannot switch off: bitsandbytes 0.50's CPU 4-bit kernels restart the quantization blocks at
+every weight row, while its quantizer lays them over the flattened weight. A layer whose ``in_features`` is not a
+multiple of the blocksize therefore computes on CPU with a scrambled weight (20-30 % off, against ~9 % for nf4
+itself). QOFT-adapted layers decode their stored weight themselves (``oftv2.bnb``); for every other such layer
+:func:`keep_exact_4bit_layout` adds a forward pre-hook that warns once per model, at the first forward that runs
+bitsandbytes' kernel on such a layer on CPU, naming the layer.
+
 A leaf module (it imports nothing else of peftplug, and bitsandbytes only if it is already imported: a 4-bit
 layer cannot exist otherwise), so method packages may use it.
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from collections.abc import Iterator
 
 from torch import nn
@@ -115,10 +123,62 @@ def keep_exact_4bit_layout(model: nn.Module) -> int:
     """
     refuse_repacked(model)
     count = 0
-    for _, layer in four_bit_layers(model):
+    straddling = _StraddlingBlocks()
+    for name, layer in four_bit_layers(model):
         setattr(layer, REPACK_SWITCH, False)
         count += 1
+        if _blocks_straddle_rows(layer) and not any(
+                isinstance(hook, _StraddlingBlocks.Hook) for hook in layer._forward_pre_hooks.values()):
+            straddling.names.append(name)
+            layer.register_forward_pre_hook(_StraddlingBlocks.Hook(straddling, name))
     return count
+
+
+def _blocks_straddle_rows(layer: nn.Module) -> bool:
+    """Whether a ``Linear4bit``'s quantization blocks straddle its rows (``in_features % blocksize != 0``)."""
+    state = getattr(getattr(layer, "weight", None), "quant_state", None)
+    shape, blocksize = getattr(state, "shape", None), getattr(state, "blocksize", None)
+    return shape is not None and len(shape) == 2 and bool(blocksize) and int(shape[1]) % int(blocksize) != 0
+
+
+class _StraddlingBlocks:
+    """The 4-bit layers of one model whose blocks straddle rows, and whether their warning was given."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.warned = False
+
+    class Hook:
+        """Forward pre-hook of one such layer: warns (once per model) when bitsandbytes' kernel runs it on CPU.
+
+        A class, not a closure, so that a model holding it still pickles and deep-copies. A QOFT layer never calls
+        its base layer on CPU in this case (it decodes the stored weight itself), so its hook never fires.
+
+        Args:
+            shared: The model's :class:`_StraddlingBlocks`.
+            name: The layer's qualified name.
+        """
+
+        def __init__(self, shared: _StraddlingBlocks, name: str) -> None:
+            self.shared, self.name = shared, name
+
+        def __call__(self, layer: nn.Module, args: tuple) -> None:
+            if self.shared.warned or not args or not getattr(args[0], "is_cpu", False) or is_repacked(layer):
+                return
+            self.shared.warned = True
+            state = layer.weight.quant_state
+            others = [n for n in self.shared.names if n != self.name]
+            listed = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+            also = (f"; the model's other 4-bit layers with such an in_features (exact where QOFT adapts them): "
+                    f"{listed}") if others else ""
+            warnings.warn(
+                f"4-bit layer {self.name or type(layer).__name__!r} (in_features {int(state.shape[1])}, not a "
+                f"multiple of the blocksize {int(state.blocksize)}) runs bitsandbytes' CPU kernel, which restarts the "
+                "quantization blocks at every row: it computes with a scrambled weight (20-30 % off). Adapt it with "
+                "QOFT (oftv2, which decodes the stored weight), run the model on a GPU, or load it with "
+                f"quantization 'int8' or 'none'{also}",
+                RuntimeWarning, stacklevel=2,
+            )
 
 
 #: Start-up messages about bitsandbytes' AVX512-BF16 CPU kernel, which only multiplies repacked weights: bitsandbytes
