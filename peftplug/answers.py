@@ -3,7 +3,10 @@
 The rule (documented in docs/cli.md): take the first word of each text, case-folded, with punctuation stripped
 from both ends; they match if they are equal, or if one is the other plus a plural ``s`` (so ``"Sports."`` answers
 the label ``sport``). An empty generation never matches. Punctuation is every Unicode punctuation or symbol
-character (``—``, ``。``, ``$`` ...), except a minus sign right before a number: ``-3`` is not ``3``.
+character (``—``, ``。``, ``$`` ...), except a minus sign right before a number: ``-3`` is not ``3``; invisible format
+characters (zero-width space, soft hyphen, byte-order mark) are stripped from the ends too. Both texts are compared in
+Unicode's compatibility form (NFKC), so one text written in two encodings of the same characters (``É`` as one code
+point or as ``E`` plus a combining accent, fullwidth ``ｓｐｏｒｔ``) matches.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ _MINUS = "-\u2212\u2012\u2013"
 
 
 def _is_punctuation(char: str) -> bool:
-    """Unicode punctuation (P*) or symbol (S*): ASCII's and also dashes, CJK stops, currency signs."""
-    return unicodedata.category(char)[0] in "PS"
+    """Unicode punctuation (P*) or symbol (S*): ASCII's and also dashes, CJK stops, currency signs; or an invisible
+    format character (Cf: zero-width space, soft hyphen, BOM), which would make ``"sport\u200b"`` another word."""
+    category = unicodedata.category(char)
+    return category[0] in "PS" or category == "Cf"
 
 
 def _strip_word(word: str) -> str:
@@ -38,7 +43,9 @@ def normalize_answer(text: str) -> str:
     Args:
         text: A generated answer or a reference label.
     """
-    for word in str(text).split():
+    # NFKC: an answer decoded as NFC and a label file saved as NFD (macOS) spell "Économie" with different code
+    # points, and casefold alone left them unequal; fullwidth letters and digits become their ASCII forms.
+    for word in unicodedata.normalize("NFKC", str(text)).split():
         word = _strip_word(word).casefold()
         if word:
             return word

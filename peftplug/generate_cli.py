@@ -16,6 +16,7 @@ model sees its prompts exactly as in training. Decoding is greedy unless ``--tem
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
@@ -55,6 +56,7 @@ class Generator:
 
     def __init__(self, ckpt_path: str | None = None, model: str | None = None, system: str | None = None) -> None:
         from peftplug.lightning import CHECKPOINT_KEY, PeftModule
+        from peftplug.parameter_report import for_generation
 
         self.plain = False
         if (ckpt_path is None) == (model is None):
@@ -77,11 +79,13 @@ class Generator:
                     f"checkpoint {str(ckpt_path)!r} is a {task} model: it gives class ids, not text, and generate "
                     f"and chat need a causal_lm checkpoint; classify with `peftplug predict --config <its recipe> "
                     f"--ckpt_path {ckpt_path}` (or `peftplug test`, for accuracy on the held-out split)")
-            self.module = load_checkpoint_module(ckpt_path)
+            with for_generation():  # its parameter line says what answers, not what would train
+                self.module = load_checkpoint_module(ckpt_path)
             if system is None:
                 system = data_hparams.get("system_prompt")
         else:
-            self.module = PeftModule(model, task="causal_lm")
+            with for_generation():
+                self.module = PeftModule(model, task="causal_lm")
         if self.module.task != "causal_lm" or self.module.tokenizer is None:
             raise ConfigError(f"generate needs a causal language model with a tokenizer; got task {self.module.task!r}")
         self.module.eval()
@@ -189,8 +193,14 @@ class PositionError(ConfigError):
 _POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 
 
+# The smallest sampling temperature: below it, logits / temperature overflow fp32 to inf and torch's multinomial
+# raised "probability tensor contains either inf, nan" mid-generation (vLLM treats < 1e-5 as greedy likewise).
+MIN_TEMPERATURE = 1e-5
+
+
 def check_sampling(max_new_tokens: int, temperature: float) -> None:
-    """Raises ``ConfigError`` unless ``max_new_tokens >= 1`` and ``temperature >= 0``.
+    """Raises ``ConfigError`` unless ``max_new_tokens >= 1`` and ``temperature`` is 0 or finite and at least
+    :data:`MIN_TEMPERATURE`.
 
     Args:
         max_new_tokens: ``--max_new_tokens``.
@@ -198,8 +208,10 @@ def check_sampling(max_new_tokens: int, temperature: float) -> None:
     """
     if max_new_tokens < 1:
         raise ConfigError(f"--max_new_tokens must be >= 1; got {max_new_tokens}")
-    if temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0; got {temperature}")
+    # nan passed "< 0" and decoded greedily; inf sampled uniformly from the whole vocabulary (logits / inf = 0).
+    if temperature != 0 and not MIN_TEMPERATURE <= temperature < math.inf:
+        raise ConfigError(f"--temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} (sampling); "
+                          f"got {temperature}")
 
 
 def generate_main(argv: Sequence[str]) -> int:
@@ -282,5 +294,8 @@ def chat_main(argv: Sequence[str]) -> int:
     check_sampling(args.max_new_tokens, args.temperature)  # before the model loads, not at the first message
     generator = Generator(args.ckpt_path, args.model, args.system)
     print("peftplug chat: type a message; 'exit' or Ctrl-D ends.", flush=True)
+    if generator.plain:  # encode() sends the last message alone: say so, rather than seem to keep the conversation
+        print("peftplug chat: this checkpoint was trained on plain prompt/response rows, without a chat template: "
+              "each message is answered on its own, without the conversation before it.", flush=True)
     chat_loop(generator, args.max_new_tokens, args.temperature, sys.stdin, sys.stdout, args.seed)
     return 0

@@ -40,6 +40,7 @@ from peftplug.loading import (
 )
 from peftplug.model_checks import check_tokenizer_fits
 from peftplug.nonfinite_steps import SkipsNonFiniteSteps
+from peftplug.parameter_report import parameter_report
 from peftplug.peft_type_support import check_peft_type_support
 from peftplug.prompt_generation import generate_new_tokens
 from peftplug.quantized_layout import keep_exact_4bit_layout
@@ -166,9 +167,8 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
         # Lightning switches to eval mode for validation/test/predict itself.
         self.model.train()
         self._compiler.attach(self.model)
-        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in self.model.parameters())
-        rank_zero_info(f"peftplug: trainable parameters {trainable:,} of {total:,} ({100 * trainable / total:.3f}%)")
+        # What trains, or (peftplug generate/chat, peftplug.parameter_report.for_generation) what answers.
+        rank_zero_info(parameter_report(self.model, self.peft_config is not None))
 
         self.nonfinite_steps = 0
         self._adapter_only_load = False
