@@ -326,6 +326,14 @@ def main(argv=None) -> dict:
     if args.verdicts is not None:
         return print_verdicts(args.verdicts)
     if args.dry_run:
+        # The interpreter only takes effect before the kernel modules are decorated. In a process that already
+        # imported them compiled (the CUDA test session of run_all.sh), the CPU dry run would launch GPU kernels on
+        # host tensors, and setting the variable there would reach every later test and subprocess: refuse instead.
+        compiled = [name for name in ("block_rotate", "nf4_rotate_matmul")
+                    if not getattr(sys.modules.get(f"peftplug_kernels.{name}.triton"), "INTERPRETED", True)]
+        if compiled:
+            raise SystemExit(f"--dry-run: peftplug_kernels.{compiled[0]}.triton was already imported compiled for the "
+                             "GPU; run the dry run in a process of its own (it needs TRITON_INTERPRET=1 before that)")
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
