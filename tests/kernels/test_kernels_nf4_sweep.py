@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 pytest.importorskip("bitsandbytes")
 pytestmark = pytest.mark.usefixtures("needs_triton")
+# The dry run runs the kernels through the interpreter on CPU tensors: in a CUDA session whose kernels are compiled
+# already it would launch them on CPU pointers (benchmarks/gpu/run_all.sh deselects these tests there too).
+cpu_dry_run = pytest.mark.skipif(os.environ.get("PEFTPLUG_KERNELS_ON_GPU") == "1", reason="a CPU dry run")
 
 
+@cpu_dry_run
 def test_dry_run_measures_every_path_and_prints_the_threshold(tmp_path, capsys):
     from benchmarks.kernels import nf4_sweep
 
@@ -26,6 +31,7 @@ def test_dry_run_measures_every_path_and_prints_the_threshold(tmp_path, capsys):
     assert json.loads((tmp_path / "nf4_sweep.json").read_text())["verdicts"] == result["verdicts"]
 
 
+@cpu_dry_run
 def test_every_measurement_group_is_saved_as_it_ends(tmp_path, monkeypatch):
     """A run killed by its time limit keeps what it measured: the JSON is rewritten after each group (marked partial),
     and the complete file, with the verdicts, replaces it at the end."""
@@ -45,6 +51,7 @@ def test_every_measurement_group_is_saved_as_it_ends(tmp_path, monkeypatch):
     assert "partial" not in final and final["verdicts"] == result["verdicts"]
 
 
+@cpu_dry_run
 def test_a_spent_budget_skips_the_rest_and_still_writes(tmp_path):
     from benchmarks.kernels import nf4_sweep
 
