@@ -37,6 +37,7 @@ from .dispatch import KernelPlan, plan_kernels
 from .merge_order import merged_weight
 from .rotation_cache import cache_usable, cached_rotation
 from .rotation_cache import clear as clear_rotation_cache
+from .scaling import RotationScale
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def bound_q(q_vec: torch.Tensor, max_q_norm: float | None) -> torch.Tensor:
     return q_vec * scale.to(q_vec.dtype)
 
 
-class OFTv2Layer(BaseTunerLayer):
+class OFTv2Layer(RotationScale, BaseTunerLayer):
     """Adapter state shared by every OFTv2 layer type: per-adapter skew parameters and their settings.
 
     Subclasses for other base layers (e.g. quantized ones) override :meth:`_get_base_weight` and

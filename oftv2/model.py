@@ -237,3 +237,17 @@ class OFTv2Model(UpgradesLegacyKeys, BaseTuner):
         super()._check_merge_allowed()
         if getattr(self.model, "quantization_method", None) == "gptq":
             raise ValueError("Cannot merge OFTv2 layers into a GPTQ-quantized model")
+        # Tied layers (embed_tokens and lm_head) both adapted rotate one tensor: merging composes the two rotations on
+        # it (each layer then computes the wrong function) and unmerging, in module order, does not restore it.
+        owners: dict[int, str] = {}
+        for name, module in self.model.named_modules():
+            if isinstance(module, OFTv2Layer) and module.oftv2_Q:
+                weight = getattr(module.get_base_layer(), "weight", None)
+                if weight is None:
+                    continue
+                if id(weight) in owners:
+                    raise ValueError(
+                        f"cannot merge OFTv2 adapters: {owners[id(weight)]!r} and {name!r} share one weight (tied "
+                        "embeddings), so their rotations would compose on it and unmerging would not restore it; keep "
+                        "the model unmerged or adapt only one of them")
+                owners[id(weight)] = name
