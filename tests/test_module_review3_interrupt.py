@@ -13,8 +13,7 @@ import signal
 from pathlib import Path
 
 import lightning
-import pytest
-import torch
+from test_interrupt_accumulation import _one_thread_and_sigint  # noqa: F401  (autouse: one thread, SIGINT default)
 from tiny_recipes import causal_recipe
 
 from peftplug.cli import cli
@@ -39,15 +38,6 @@ class SignalAtBatch(lightning.Callback):
         self.val_batches_after += self.signalled
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_and_sigint():
-    """One thread, and SIGINT as an interactive shell leaves it (a background shell starts jobs with it ignored)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, before)
-    torch.set_num_threads(threads)
 
 
 def _interrupted_fit(root: Path, batch: int) -> tuple[object, SignalAtBatch]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import peft
 import pytest
 import torch
+from test_numerics_review2_dequant import _decode
 
 import oftv2
 from oftv2 import bnb as qoft
@@ -47,20 +48,8 @@ def _linear4bit(in_f: int, out_f: int, blocksize: int, nested: bool, compute: to
 
 
 def _decoded(layer: torch.nn.Module) -> torch.Tensor:
-    """``code[nibble(e)] · absmax[e // blocksize]`` over the flat row-major weight, high nibble first (fp64)."""
-    state = layer.weight.quant_state
-    packed = layer.weight.data.reshape(-1).view(torch.uint8).cpu()
-    nibbles = torch.stack((packed >> 4, packed & 0xF), dim=-1).reshape(-1).long()
-    n = state.shape[0] * state.shape[1]
-    if state.nested:
-        inner = state.state2
-        scales = (inner.code.double().cpu()[state.absmax.cpu().long()]
-                  * inner.absmax.double().cpu().repeat_interleave(inner.blocksize)[: state.absmax.numel()]
-                  + float(state.offset))
-    else:
-        scales = state.absmax.double().cpu()
-    return (state.code.double().cpu()[nibbles[:n]] * scales.repeat_interleave(state.blocksize)[:n]).reshape(
-        tuple(state.shape))
+    """The layer's stored weight decoded by hand over the flat row-major layout (fp64; the numerics review's)."""
+    return _decode(layer.weight.data, layer.weight.quant_state)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
