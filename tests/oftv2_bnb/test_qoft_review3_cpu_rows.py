@@ -13,7 +13,7 @@ from __future__ import annotations
 import peft
 import pytest
 import torch
-from test_numerics_review2_dequant import _decode
+from test_numerics_review2_dequant import _decode, _Wrapper
 
 import oftv2
 from oftv2 import bnb as qoft
@@ -24,15 +24,6 @@ bnb = pytest.importorskip("bitsandbytes")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 BLOCK = 16
-
-
-class _Wrapper(torch.nn.Module):
-    def __init__(self, layer: torch.nn.Module) -> None:
-        super().__init__()
-        self.proj = layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x)
 
 
 def _linear4bit(in_f: int, out_f: int, blocksize: int, nested: bool, compute: torch.dtype | None, device: str):
