@@ -32,6 +32,7 @@ from torch import nn
 from peftplug.optional import bitsandbytes_available
 from peftplug.quantized_layout import (
     RepackedWeightError,
+    cpu_kernel_scrambles,
     is_repacked,
     keep_exact_4bit_layout,
     repacked_message,
@@ -393,7 +394,7 @@ class Linear4bit(_QuantizedOFTv2):
         name = None if self.disable_adapters or self.merged else self._fused_adapter(x)
         if name is None:
             base = self.base_layer
-            if args or kwargs or not _cpu_blocks_straddle_rows(base, x) or base is not self.get_base_layer():
+            if args or kwargs or not cpu_kernel_scrambles(base, x) or base is not self.get_base_layer():
                 return super().forward(x, *args, **kwargs)
             return _stored_weight_forward(base, x if self.adapters_bypassed() else self.rotate_input(x))
         base = self.get_base_layer()
@@ -403,18 +404,6 @@ class Linear4bit(_QuantizedOFTv2):
         # The plan chose the fused kernel: "triton", resolved already (no dispatch in the forward).
         y = ops.nf4_rotate_matmul(x.to(compute), rotation, base.weight, base.weight.quant_state, bias, impl="triton")
         return y.to(x.dtype)
-
-
-def _cpu_blocks_straddle_rows(base: nn.Module, x: torch.Tensor) -> bool:
-    """Whether bitsandbytes 0.50's CPU forward would scramble this layer: its CPU 4-bit kernels restart quantization
-    blocks at every row, its quantizer lays them over the flat weight (27 % off at in_features 96, blocksize 64).
-
-    Args:
-        base: A bitsandbytes ``Linear4bit``; x: its input.
-    """
-    state = getattr(base.weight, "quant_state", None)
-    return (x.is_cpu and state is not None and not is_repacked(base)
-            and int(state.shape[1]) % int(state.blocksize) != 0)
 
 
 class _StoredWeightLinear(torch.autograd.Function):
@@ -438,7 +427,8 @@ def _stored_weight_forward(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """bitsandbytes' ``Linear4bit.forward`` (compute dtype, bias cast, output dtype) on the stored weight.
 
     Args:
-        base: A ``Linear4bit`` for which :func:`_cpu_blocks_straddle_rows` holds; x: its (rotated) input.
+        base: A ``Linear4bit`` for which :func:`peftplug.quantized_layout.cpu_kernel_scrambles` holds; x: its
+            (rotated) input.
     """
     if not getattr(base, "compute_type_is_set", True):  # as bitsandbytes: the first input sets an unset dtype
         base.set_compute_type(x)

@@ -141,6 +141,17 @@ def _blocks_straddle_rows(layer: nn.Module) -> bool:
     return shape is not None and len(shape) == 2 and bool(blocksize) and int(shape[1]) % int(blocksize) != 0
 
 
+def cpu_kernel_scrambles(layer: nn.Module, x: object) -> bool:
+    """Whether bitsandbytes 0.50's CPU kernel would compute ``layer(x)`` with a scrambled weight: ``x`` on CPU, the
+    portable layout, and quantization blocks that straddle rows (the kernel restarts them at every row).
+
+    Args:
+        layer: A bitsandbytes ``Linear4bit``.
+        x: Its input.
+    """
+    return bool(getattr(x, "is_cpu", False)) and not is_repacked(layer) and _blocks_straddle_rows(layer)
+
+
 class _StraddlingBlocks:
     """The 4-bit layers of one model whose blocks straddle rows, and whether their warning was given."""
 
@@ -163,7 +174,7 @@ class _StraddlingBlocks:
             self.shared, self.name = shared, name
 
         def __call__(self, layer: nn.Module, args: tuple) -> None:
-            if self.shared.warned or not args or not getattr(args[0], "is_cpu", False) or is_repacked(layer):
+            if self.shared.warned or not args or not cpu_kernel_scrambles(layer, args[0]):
                 return
             self.shared.warned = True
             state = layer.weight.quant_state
