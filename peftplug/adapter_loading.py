@@ -250,10 +250,9 @@ def load_adapter(
     """
     import torch
     from peft import PeftModel
-    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
     from peftplug.loading import DTYPES, PEFT_TASK_TYPES, QUANTIZATIONS, check_choice, load_model
-    from peftplug.methods import import_plugin_for
+    from peftplug.methods import peft_config_classes
     from peftplug.registry import UnregisteredAdapterError, unknown_type_message
 
     # Checked before anything loads, and refused with a built model, which is used as it is (not cast or quantized).
@@ -265,8 +264,7 @@ def load_adapter(
         raise ConfigError("quantization and dtype apply to a model name only; a built model is used as it is (load "
                           f"it quantized or cast yourself); got quantization={quantization!r}, dtype={dtype!r}")
     peft_type, config = adapter_peft_type(path)
-    import_plugin_for(peft_type)
-    if peft_type not in {getattr(key, "value", key) for key in PEFT_TYPE_TO_CONFIG_MAPPING}:
+    if peft_type not in peft_config_classes(peft_type):
         raise UnregisteredAdapterError(f"adapter {str(path)!r}: {unknown_type_message(peft_type)}")
     if isinstance(model, (str, os.PathLike)):
         # Reversed, so that CAUSAL_LM maps to causal_lm rather than prompt_cls (both wrap a causal LM).

@@ -211,17 +211,13 @@ def check_peft_spec(spec: Any, field: str = "model.peft") -> None:
         check_init_args(cls, dict(spec.get("init_args") or {}), f"{field}.init_args")
         check_init_types(cls, dict(spec.get("init_args") or {}), f"{field}.init_args")
     elif "peft_type" in spec:
-        from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
-
-        from peftplug.methods import import_plugin_for
+        from peftplug.methods import peft_config_classes
 
         raw = spec["peft_type"]
         peft_type = str(getattr(raw, "value", raw)).upper()
-        # A plugin type is in PEFT's mapping only once its package is imported; the builder imports it right after
-        # this check, so without this the check skipped an OFTV2 dict and a typo reached the constructor as a
-        # TypeError traceback.
-        import_plugin_for(peft_type)
-        known = {getattr(k, "value", k): v for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
+        # With the plugin imported first: the builder imports it right after this check, so without it the check
+        # skipped an OFTV2 dict and a typo reached the constructor as a TypeError traceback.
+        known = peft_config_classes(peft_type)
         # With peft_version the dict was written by PEFT (an adapter_config.json): a key only another PEFT release
         # has is not a typo; it is dropped with a warning where the config is built (saved_config_extras), as PEFT's
         # own loading does. Only a hand-written dict's keys are checked here.
@@ -257,13 +253,10 @@ def check_peft_type_of_class(spec: Any, field: str = "model.peft") -> None:
     raw = (spec.get("init_args") or {}).get("peft_type")
     if raw is None:
         return
-    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
-
-    from peftplug.methods import import_plugin_for
+    from peftplug.methods import peft_config_classes
 
     wanted = str(getattr(raw, "value", raw)).upper()
-    import_plugin_for(wanted)
-    known = {str(getattr(k, "value", k)): v for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
+    known = peft_config_classes(wanted)
     cls = import_class(spec["class_path"], f"{field}.class_path")
     if wanted not in known:
         raise ConfigError(f"{field}.init_args.peft_type: unknown type {wanted!r}{hint(wanted, known)}")

@@ -43,7 +43,7 @@ import torch
 from peftplug.errors import ConfigError, MissingFileError, one_line
 from peftplug.fileio import usual_modes
 from peftplug.hub_access import cached_hub_snapshot, hub_offline, hub_unreachable
-from peftplug.methods import import_plugin_for
+from peftplug.methods import import_plugin_for, peft_config_classes  # noqa: F401  (import_plugin_for: its old path)
 from peftplug.model_checks import check_target_modules
 from peftplug.optional import bitsandbytes_available
 from peftplug.quantized_layout import keep_exact_4bit_layout
@@ -485,7 +485,6 @@ def build_peft_config(spec: Any, task: str):
         ConfigError: If the dict names no known type.
     """
     from peft import PeftConfig
-    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
     from peftplug.config_names import SAVED_BOOKKEEPING, check_peft_spec, hint, saved_config_extras
 
@@ -503,8 +502,7 @@ def build_peft_config(spec: Any, task: str):
         kwargs = dict(spec)
         raw_type = kwargs["peft_type"]
         peft_type = str(getattr(raw_type, "value", raw_type)).upper()  # a PeftType enum or its name
-        import_plugin_for(peft_type)
-        known = {getattr(k, "value", k): v for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
+        known = peft_config_classes(peft_type)
         if peft_type not in known:
             # The closest type first (a typo such as LORAA), else every known type.
             raise ConfigError(f"peft.peft_type {peft_type!r} is unknown{hint(peft_type, sorted(known), len(known))}")

@@ -45,4 +45,17 @@ def import_plugin_for(peft_type: str) -> None:
         importlib.import_module(package)
 
 
-__all__ = ["METHOD_PACKAGES", "import_method_packages", "import_plugin_for"]
+def peft_config_classes(peft_type: str) -> dict[str, type]:
+    """PEFT's config class of every registered type by name (``{"LORA": LoraConfig, ...}``), after importing the
+    method package that provides ``peft_type`` (a plugin type is in PEFT's mapping only once its package is).
+
+    Args:
+        peft_type: The type about to be looked up (any case).
+    """
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    import_plugin_for(peft_type)
+    return {str(getattr(key, "value", key)): cls for key, cls in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
+
+
+__all__ = ["METHOD_PACKAGES", "import_method_packages", "import_plugin_for", "peft_config_classes"]
