@@ -6,19 +6,15 @@ from __future__ import annotations
 import peft
 import pytest
 import torch
+from pct_testing import pct_model_on_saved_decomposition
 from transformers import DataCollatorWithFlattening
 
-import prompt_transfer as pt
 from peftplug.tiny import tiny_model
 
 
 @pytest.fixture
 def pct_model(tmp_path):
-    g = torch.Generator().manual_seed(1)
-    path = str(tmp_path / "dec")
-    pt.save_decomposition(pt.decompose({f"s{i}": torch.randn(3, 64, generator=g) for i in range(3)},
-                                       contrastive_steps=5), path)
-    return peft.get_peft_model(tiny_model("llama"), pt.PCTConfig(task_type="CAUSAL_LM", decomposition_path=path))
+    return pct_model_on_saved_decomposition(tiny_model, str(tmp_path / "dec"), torch.Generator().manual_seed(1))
 
 
 def test_a_flattened_batch_with_default_collator_is_refused(pct_model):

@@ -1,8 +1,8 @@
 """Third review of PCT: resuming training from a saved adapter whose decomposition folder was decomposed again."""
 
-import peft
 import pytest
 import torch
+from pct_testing import pct_model_on_saved_decomposition
 
 import prompt_transfer as pt
 
@@ -14,10 +14,7 @@ def test_resume_ignores_a_decomposition_folder_reused_with_another_shape(tiny_mo
     # although the folder is not needed, which PeftModel.from_pretrained of the same adapter already accepted.
     monkeypatch.chdir(tmp_path)
     g = torch.Generator().manual_seed(1)
-    pt.save_decomposition(pt.decompose({f"s{i}": torch.randn(3, 64, generator=g) for i in range(3)},
-                                       contrastive_steps=5), "decomposition")
-    model = peft.get_peft_model(tiny_model("llama"), pt.PCTConfig(task_type="CAUSAL_LM",
-                                                                 decomposition_path="decomposition"))
+    model = pct_model_on_saved_decomposition(tiny_model, "decomposition", g)
     fusion = model.prompt_encoder["default"].embedding
     with torch.no_grad():
         fusion.residual.normal_(generator=g)

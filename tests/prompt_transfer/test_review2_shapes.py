@@ -6,6 +6,7 @@ from __future__ import annotations
 import peft
 import pytest
 import torch
+from pct_testing import pct_model_on_saved_decomposition
 
 import prompt_transfer as pt
 
@@ -62,10 +63,7 @@ def test_a_saved_adapter_loads_after_its_decomposition_folder_was_reused(tiny_mo
     # adapter holds its own P_0 and S_k, so it loads and computes what it did.
     monkeypatch.chdir(tmp_path)
     g = torch.Generator().manual_seed(1)
-    pt.save_decomposition(pt.decompose({f"s{i}": torch.randn(3, 64, generator=g) for i in range(3)},
-                                       contrastive_steps=5), "decomposition")
-    model = peft.get_peft_model(tiny_model("llama"), pt.PCTConfig(task_type="CAUSAL_LM",
-                                                                 decomposition_path="decomposition"))
+    model = pct_model_on_saved_decomposition(tiny_model, "decomposition", g)
     x = torch.randint(4, 90, (2, 8), generator=g)
     model.eval()
     with torch.no_grad():
