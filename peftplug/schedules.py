@@ -332,5 +332,5 @@ def build_lr_scheduler(factory: Callable[..., Any], optimizer: torch.optim.Optim
     return scheduler
 
 
-__all__ = ["COMPOSITES", "LENGTH_ARGUMENTS", "OUTRUN", "CosineAnnealingLR", "RunLength", "build_lr_scheduler", "check_length", "check_plateau",
-           "check_resumed_length", "run_length"]
+__all__ = ["COMPOSITES", "LENGTH_ARGUMENTS", "OUTRUN", "CosineAnnealingLR", "RunLength", "build_lr_scheduler",
+           "check_length", "check_plateau", "check_resumed_length", "run_length"]
