@@ -3,7 +3,7 @@
 The rule (documented in docs/cli.md): take the first word of each text, case-folded, with punctuation stripped
 from both ends; they match if they are equal, or if one is the other plus a plural ``s`` (so ``"Sports."`` answers
 the label ``sport``). An empty generation never matches. Punctuation is every Unicode punctuation or symbol
-character (``—``, ``。``, ``$`` ...), except a minus sign right before a number: ``-3`` is not ``3``; invisible format
+character (``—``, ``。``, ``$`` ...), except a minus sign or a decimal point right before a number: ``-3`` is not ``3``, ``-.5`` not ``5``; invisible format
 characters (zero-width space, soft hyphen, byte-order mark) are stripped from the ends too. Both texts are compared in
 Unicode's compatibility form (NFKC), so one text written in two encodings of the same characters (``É`` as one code
 point or as ``E`` plus a combining accent, fullwidth ``ｓｐｏｒｔ``) matches.
@@ -31,8 +31,14 @@ def _strip_word(word: str) -> str:
     while end > start and _is_punctuation(word[end - 1]):
         end -= 1
     core = word[start:end]
-    # "-3" is an answer of its own, not "3" (a sign is punctuation by category): keep one minus before a digit.
-    if core[:1].isdigit() and start > 0 and word[start - 1] in _MINUS:
+    if not core[:1].isdigit():
+        return core
+    # ".5" and "-.5" are numbers of their own, not "5": keep a decimal point that opens the word or follows its sign.
+    if start > 0 and word[start - 1] == "." and (start == 1 or word[start - 2] in _MINUS):
+        start -= 1
+        core = "." + core
+    # "-3" is an answer of its own, not "3" (a sign is punctuation by category): keep one minus before a number.
+    if start > 0 and word[start - 1] in _MINUS:
         core = "-" + core
     return core
 
