@@ -192,6 +192,25 @@ def adapter_peft_type(path: str | os.PathLike) -> tuple[str, dict]:
     return str(config["peft_type"]).upper(), config
 
 
+def _check_config_types(path: str | os.PathLike, cls: type, config: dict) -> None:
+    """Refuses an ``adapter_config.json`` value of the wrong type (a hand-edited ``"r": "8"``) in one line naming
+    the file and the field: PEFT does not check, and the value surfaced as a ``TypeError`` inside the layers.
+
+    Args:
+        path: The adapter folder.
+        cls: The config class of its ``peft_type``.
+        config: Its ``adapter_config.json``.
+    """
+    from peftplug.checkpoints import ADAPTER_CONFIG
+    from peftplug.config_names import SAVED_BOOKKEEPING, check_init_types
+
+    try:
+        check_init_types(cls, {k: v for k, v in config.items() if k not in SAVED_BOOKKEEPING}, ADAPTER_CONFIG)
+    except ConfigError as err:
+        raise CheckpointError(f"adapter {str(path)!r}: {err} (edited by hand? re-save the adapter with "
+                              "save_pretrained or peftplug export)") from None
+
+
 def load_adapter(
     model: Any,
     path: str | os.PathLike,
@@ -266,6 +285,7 @@ def load_adapter(
     peft_type, config = adapter_peft_type(path)
     if peft_type not in peft_config_classes(peft_type):
         raise UnregisteredAdapterError(f"adapter {str(path)!r}: {unknown_type_message(peft_type)}")
+    _check_config_types(path, peft_config_classes(peft_type)[peft_type], config)
     if isinstance(model, (str, os.PathLike)):
         # Reversed, so that CAUSAL_LM maps to causal_lm rather than prompt_cls (both wrap a causal LM).
         tasks = {peft_task: task for task, peft_task in reversed(PEFT_TASK_TYPES.items())}
