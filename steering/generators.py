@@ -52,8 +52,8 @@ def _validate_pairs(pairs) -> list[tuple[str, str]]:
     return out
 
 
-def _validate_layers(model, layers) -> list[int]:
-    _, blocks = find_blocks(model)
+def _validate_layers(model, layers, blocks_path: str | None = None) -> list[int]:
+    _, blocks = find_blocks(model, blocks_path)
     if layers is None:
         raise ValueError(f"layers must be given (0-based decoder block indices, 0..{len(blocks) - 1})")
     layers = [layers] if isinstance(layers, int) else list(layers)
@@ -109,6 +109,7 @@ def extract_activations(
     batch_size: int = 8,
     progress: bool = True,
     desc: str = "extracting activations",
+    blocks_path: str | None = None,
 ) -> dict[int, torch.Tensor]:
     """Reads decoder-block outputs of the base model, one vector per text and layer.
 
@@ -122,6 +123,8 @@ def extract_activations(
         batch_size: Texts per forward pass.
         progress: Show a progress bar.
         desc: Progress-bar label.
+        blocks_path: ``SteeringConfig.blocks_path`` of the adapter the vectors are for (``None``: the family
+            registry), so that they are read where they will be added.
 
     Returns:
         ``{layer: tensor [len(texts), hidden]}`` in fp32 on the CPU.
@@ -134,8 +137,8 @@ def extract_activations(
         raise ValueError("read='answer' needs one start index per text")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    layers = _validate_layers(model, layers)
-    _, blocks = find_blocks(model)
+    layers = _validate_layers(model, layers, blocks_path)
+    _, blocks = find_blocks(model, blocks_path)
     seqs = _encode(tokenizer, texts)
     device = _device(model)
     captured: dict[int, torch.Tensor] = {}
@@ -173,14 +176,14 @@ def extract_activations(
     return {layer: torch.stack(vs) for layer, vs in out.items()}
 
 
-def _pair_activations(model, tokenizer, pairs, layers, read, batch_size, progress):
+def _pair_activations(model, tokenizer, pairs, layers, read, batch_size, progress, blocks_path=None):
     if isinstance(pairs, TokenizedPairs):
         # EasyEdit2 rows: the answer span is fixed by the tokenized question, not by a common prefix.
         read = pairs.read if read in (None, "answer", pairs.read) else read
         pos = extract_activations(model, tokenizer, pairs.pos, layers, read, pairs.pos_start, batch_size, progress,
-                                  desc="matching")
+                                  desc="matching", blocks_path=blocks_path)
         neg = extract_activations(model, tokenizer, pairs.neg, layers, read, pairs.neg_start, batch_size, progress,
-                                  desc="not matching")
+                                  desc="not matching", blocks_path=blocks_path)
         return pos, neg
     pairs = _validate_pairs(pairs)
     pos_texts, neg_texts = [p for p, _ in pairs], [n for _, n in pairs]
@@ -190,14 +193,15 @@ def _pair_activations(model, tokenizer, pairs, layers, read, batch_size, progres
         common = [_common_prefix(a, b) for a, b in zip(pos_ids, neg_ids)]
         starts_pos, starts_neg = common, common
     pos = extract_activations(model, tokenizer, pos_texts, layers, read, starts_pos, batch_size, progress,
-                              desc="positive texts")
+                              desc="positive texts", blocks_path=blocks_path)
     neg = extract_activations(model, tokenizer, neg_texts, layers, read, starts_neg, batch_size, progress,
-                              desc="negative texts")
+                              desc="negative texts", blocks_path=blocks_path)
     return pos, neg
 
 
 # --------------------------------------------------------------------------------------------- generators
-def caa_vectors(model, tokenizer, pairs, layers, read: str = "answer", batch_size: int = 8, progress: bool = True):
+def caa_vectors(model, tokenizer, pairs, layers, read: str = "answer", batch_size: int = 8, progress: bool = True,
+                blocks_path: str | None = None):
     """Contrastive activation addition: ``v_L = mean_i (h_L(pos_i) - h_L(neg_i))``.
 
     Args:
@@ -209,11 +213,12 @@ def caa_vectors(model, tokenizer, pairs, layers, read: str = "answer", batch_siz
         read: Where to read activations (see module docstring).
         batch_size: Texts per forward.
         progress: Show progress bars.
+        blocks_path: The adapter's ``blocks_path`` (see :func:`extract_activations`).
 
     Returns:
         ``{layer: vector}``.
     """
-    pos, neg = _pair_activations(model, tokenizer, pairs, layers, read, batch_size, progress)
+    pos, neg = _pair_activations(model, tokenizer, pairs, layers, read, batch_size, progress, blocks_path)
     return {layer: (pos[layer] - neg[layer]).mean(dim=0) for layer in pos}
 
 
@@ -225,7 +230,7 @@ def _top_direction(x: torch.Tensor) -> torch.Tensor:
 
 def pca_vectors(
     model, tokenizer, pairs, layers, mode: str = "diff", read: str = "last", batch_size: int = 8,
-    progress: bool = True,
+    progress: bool = True, blocks_path: str | None = None,
 ):
     """repeng's PCA generators.
 
@@ -246,10 +251,11 @@ def pca_vectors(
         read: Where to read activations.
         batch_size: Texts per forward.
         progress: Show progress bars.
+        blocks_path: The adapter's ``blocks_path`` (see :func:`extract_activations`).
     """
     if mode not in ("diff", "center"):
         raise ValueError(f"mode must be 'diff' or 'center', got {mode!r}")
-    pos, neg = _pair_activations(model, tokenizer, pairs, layers, read, batch_size, progress)
+    pos, neg = _pair_activations(model, tokenizer, pairs, layers, read, batch_size, progress, blocks_path)
     out = {}
     for layer in pos:
         diff = pos[layer] - neg[layer]
@@ -269,7 +275,7 @@ def pca_vectors(
 
 def vector_prompt_vectors(
     model, tokenizer, texts: Sequence[str], prompt: str, layers, read: str = "last", batch_size: int = 8,
-    progress: bool = True, separator: str = " ",
+    progress: bool = True, separator: str = " ", blocks_path: str | None = None,
 ):
     """Vector-prompt: the mean activation difference with vs without a steering prompt before each text.
 
@@ -283,13 +289,15 @@ def vector_prompt_vectors(
         batch_size: Texts per forward.
         progress: Show progress bars.
         separator: Joined between prompt and text.
+        blocks_path: The adapter's ``blocks_path`` (see :func:`extract_activations`).
     """
     if not prompt:
         raise ValueError("vector_prompt needs a non-empty steering prompt")
     if not texts:
         raise ValueError("texts is empty: vector_prompt needs at least one input text")
     pairs = [(prompt + separator + t, t) for t in texts]
-    return caa_vectors(model, tokenizer, pairs, layers, read=read, batch_size=batch_size, progress=progress)
+    return caa_vectors(model, tokenizer, pairs, layers, read=read, batch_size=batch_size, progress=progress,
+                       blocks_path=blocks_path)
 
 
 # --------------------------------------------------------------------------------------------- training
@@ -459,7 +467,8 @@ def train_steering_vector(
             ``{"question", "matching", "not_matching"}`` (any method but ``"vector_prompt"``; the CAA vector is
             then exactly EasyEdit2's: per row the block output averaged over the answer tokens, i.e. the tokens
             after the tokenized question, positive minus negative, averaged over rows), or for
-            ``"vector_prompt"`` dicts ``{"input", "output", "prompt"?}`` (EasyEdit2's vector-prompt data).
+            ``"vector_prompt"`` dicts ``{"input", "output", "prompt"?}`` (EasyEdit2's vector-prompt data); or rows
+            already tokenized by :func:`~steering.easyedit_data.caa_rows` / ``vector_prompt_rows``.
         method: One of :data:`METHODS`.
         layers: Decoder blocks (0-based) to extract at and steer.
         multiplier: Steering strength stored in the config.
@@ -474,9 +483,10 @@ def train_steering_vector(
         steps: Optimizer steps for ``"trainable"``.
         lr: Learning rate for ``"trainable"``.
         use_chat_template: For rows: wrap each question in the tokenizer's chat template (EasyEdit2's option).
+            The three row options raise a ``ValueError`` for text pairs and tokenized rows (nothing to format).
         system_prompt: For rows: EasyEdit2's ``system_prompt``.
         multiple_choice: For CAA rows: EasyEdit2's multiple-choice CAA (answers ``"\nAnswer: X"``, read at
-            position -2).
+            position -2; ``read="answer"`` then means that position too).
         **config_kwargs: Further :class:`~steering.config.SteeringConfig` fields (e.g. ``layer_multipliers``).
 
     Returns:
@@ -491,13 +501,36 @@ def train_steering_vector(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method == "trainable":
         check_trainable_positions(positions, "method='trainable'")
-    layers = _validate_layers(model, layers)
-    if is_rows(pairs) and method == "vector_prompt":
+    # Read where the adapter will add: its blocks_path (the fix for a model the registry does not know) used to be
+    # ignored here, so vectors were read from whichever block list the heuristic found.
+    blocks_path = config_kwargs.get("blocks_path")
+    layers = _validate_layers(model, layers, blocks_path)
+    # EasyEdit2's formatting options act on rows only; elsewhere they were ignored, so a user asking for, e.g.,
+    # multiple_choice got a vector read at the answer mean while believing it was read at position -2.
+    row_options = [name for name, value in (("use_chat_template", use_chat_template),
+                                            ("system_prompt", system_prompt), ("multiple_choice", multiple_choice))
+                   if value]
+    if isinstance(pairs, TokenizedPairs) or not is_rows(pairs):
+        if row_options:
+            given = "already tokenized rows (TokenizedPairs)" if isinstance(pairs, TokenizedPairs) else \
+                "(positive_text, negative_text) pairs, used as written"
+            raise ValueError(
+                f"{', '.join(row_options)} only apply to EasyEdit2 rows (dicts {{question, matching, not_matching}}), "
+                f"which they format; got {given}: format the texts yourself (read='second_to_last' reads position -2 "
+                "as multiple_choice does), or pass the rows"
+            )
+    elif method == "vector_prompt" and multiple_choice:
+        raise ValueError("multiple_choice applies to CAA rows only: EasyEdit2's vector_prompt rows have no "
+                         "multiple-choice form (read the output tokens, the default)")
+    if isinstance(pairs, TokenizedPairs):
+        # Their own answer span is what "answer" means for them (see _pair_activations): record what is read.
+        read = pairs.read if read in (None, "answer") else read
+    elif is_rows(pairs) and method == "vector_prompt":
         pairs = vector_prompt_rows(tokenizer, pairs, prompt, use_chat_template, system_prompt)
         read = read or pairs.read
     elif is_rows(pairs):
         pairs = caa_rows(tokenizer, pairs, use_chat_template, system_prompt, multiple_choice)
-        read = read or pairs.read
+        read = pairs.read if read in (None, "answer") else read
     else:
         pairs = _validate_pairs(pairs)
     read = read or ("answer" if method in ("caa", "trainable") else "last")
@@ -506,17 +539,16 @@ def train_steering_vector(
         read_position=None if method == "trainable" else read, num_pairs=len(pairs),
         task_type=config_kwargs.pop("task_type", "CAUSAL_LM"), **config_kwargs,
     )
-    if method == "caa":
-        vectors = caa_vectors(model, tokenizer, pairs, layers, read, batch_size, progress)
+    if method == "caa" or (method == "vector_prompt" and isinstance(pairs, TokenizedPairs)):
+        vectors = caa_vectors(model, tokenizer, pairs, layers, read, batch_size, progress, blocks_path)
     elif method in ("pca_diff", "pca_center"):
-        vectors = pca_vectors(model, tokenizer, pairs, layers, method.split("_")[1], read, batch_size, progress)
-    elif method == "vector_prompt" and isinstance(pairs, TokenizedPairs):
-        vectors = caa_vectors(model, tokenizer, pairs, layers, read, batch_size, progress)
+        vectors = pca_vectors(model, tokenizer, pairs, layers, method.split("_")[1], read, batch_size, progress,
+                              blocks_path)
     elif method == "vector_prompt":
         if prompt is None:
             raise ValueError("method='vector_prompt' needs prompt=... (the steering prompt)")
         vectors = vector_prompt_vectors(model, tokenizer, [p for p, _ in pairs], prompt, layers, read, batch_size,
-                                        progress)
+                                        progress, blocks_path=blocks_path)
     else:
         vectors = None
 

@@ -12,6 +12,7 @@ EasyEdit2's layout, as its generators write it (``zjunlp/EasyEdit`` ``steer/vect
     <dir>/<dataset>/merge_vector/layer_{L}_merged_vector.pt   MergeIt (linear / TIES / DARE)
     <dir>/<dataset>/reps_vector/layer_{L}.pt                  RePS, intervention_method "vector"
     <dir>/<dataset>/sae_feature_vector/layer_{L}.pt           SAE-feature vectors
+    <dir>/<dataset>/sta_vector/layer_{L}_{mode}_trim{t}.pt    STA (import only; e.g. layer_24_act_and_freq_trim0.65.pt)
 
 Each file holds a bare 1-D ``[hidden]`` tensor (``torch.save``), on the CPU, in the model's dtype; there is no
 metadata file. EasyEdit2's applier points at the *method* folder; :func:`import_easyedit` also accepts the
@@ -44,7 +45,10 @@ EASYEDIT_FOLDERS: dict[str, tuple[str, str]] = {
     "reps": ("reps_vector", "layer_{layer}.pt"),
     "sae_feature": ("sae_feature_vector", "layer_{layer}.pt"),
 }
-_LAYER_FILE = re.compile(r"^layer_(\d+)(?:_merged_vector)?\.pt$")
+# STA (Steering Target Atoms) saves ``layer_{L}_{mode}_trim{trim}.pt``: a [hidden] vector its applier adds as
+# ``h + m v``, like CAA's. Its ``feature_score/layer_{L}_feature_act.pt`` cache ([d_sae] statistics) never matches.
+_STA_SUFFIX = r"_(?:act_and_freq|only_act|only_freq)_trim[0-9.eE+-]+"
+_LAYER_FILE = re.compile(rf"^layer_(\d+)(?:_merged_vector|{_STA_SUFFIX})?\.pt$")
 # Any per-layer file of an EasyEdit2 method, importable or not (STA: layer_{L}_{mode}_trim{t}.pt).
 _ANY_LAYER_FILE = re.compile(r"^layer_\d+.*\.pt$")
 _LM_STEER = "lm_steer_vector"
@@ -274,7 +278,8 @@ def _method_folder(folder: Path) -> Path:
     if len(subs) > 1:
         raise ConfigError(
             f"{folder} holds several EasyEdit2 vector folders ({', '.join(p.name for p in subs)}); pass the one to "
-            "import (method folders with layer_{L}.pt or layer_{L}_merged_vector.pt files can be)"
+            "import (method folders with layer_{L}.pt, layer_{L}_merged_vector.pt or STA's "
+            "layer_{L}_{mode}_trim{t}.pt files can be)"
         )
     raise MissingFileError(
         f"no layer_{{L}}.pt files in {folder} (expected an EasyEdit2 method folder such as caa_vector/, or the "
@@ -309,7 +314,8 @@ def _load_vector(path: Path) -> torch.Tensor:
 def import_easyedit(
     folder: str | os.PathLike, hidden_size: int | None = None, keep_dtype: bool = False
 ) -> dict[int, torch.Tensor]:
-    """Reads an EasyEdit2 vector folder (``layer_{L}.pt`` or ``layer_{L}_merged_vector.pt`` files).
+    """Reads an EasyEdit2 vector folder (``layer_{L}.pt``, ``layer_{L}_merged_vector.pt`` or STA's
+    ``layer_{L}_{mode}_trim{t}.pt`` files, one per layer).
 
     Args:
         folder: The method folder (``.../caa_vector``) or the dataset folder above it (which must then hold
@@ -322,7 +328,8 @@ def import_easyedit(
 
     Raises:
         MissingFileError: If the path is missing or holds no layer file.
-        CheckpointError: If a file is not a single finite vector, or is an LM-Steer checkpoint.
+        CheckpointError: If a file is not a single finite vector, is an LM-Steer checkpoint, or two files hold the
+            same layer.
         ConfigError: If the vectors do not have ``hidden_size`` entries, or the dataset folder is ambiguous.
     """
     folder = Path(folder)
@@ -331,14 +338,17 @@ def import_easyedit(
     if not folder.is_dir():
         raise MissingFileError(f"EasyEdit2 vector folder {folder} does not exist")
     folder = _method_folder(folder)
-    out = {}
+    out, names = {}, {}
     for path in sorted(folder.iterdir()):
         match = _LAYER_FILE.match(path.name)
         if not match or not path.is_file():  # a folder named like a layer file is not one (torch.load would fail)
             continue
         layer = int(match.group(1))
         if layer in out:
-            raise CheckpointError(f"{folder} has two files for layer {layer}")
+            # E.g. STA run with several trims or modes: which one is meant is the user's choice, not the sort order.
+            raise CheckpointError(f"{folder} has two files for layer {layer} ({names[layer]}, {path.name}); keep "
+                                  "one per layer in the folder to import")
+        names[layer] = path.name
         obj = _load_vector(path)
         if hidden_size is not None and obj.numel() != hidden_size:
             raise ConfigError(f"{path} has {obj.numel()} entries, expected the model's hidden size {hidden_size}")
