@@ -112,7 +112,10 @@ class Generator:
         from peftplug.errors import DataError
 
         if raw or self.plain:
-            return self.tokenizer(messages[-1]["content"])["input_ids"]
+            from peftplug.data.causal_lm import prompt_ids
+
+            # As CausalLMData reads a prompt: no EOS that a BOS+EOS tokenizer would append before the answer.
+            return prompt_ids(self.tokenizer, messages[-1]["content"])
         if not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError("the tokenizer has no chat template; use --raw")
         # The answer's turn is a stand-in: generation_only encodes up to its start (the assistant header).

@@ -9,7 +9,25 @@ from torch.utils.data import DataLoader
 
 from peftplug.data.base import TokenizedDataModule, pad_batch
 from peftplug.data.files import RowErrors, check_val_fraction, no_room, read_splits, row_text
+from peftplug.data.prompt_templates import special_prefix
 from peftplug.errors import ConfigError, DataError
+
+
+def prompt_ids(tokenizer: Any, text: str, prefix: list[int] | None = None) -> list[int]:
+    """Token ids of a prompt (or plain text) as a causal LM reads it: the special tokens the tokenizer puts before a
+    text (Llama's ``<s>``), then the text's own tokens, without an EOS the tokenizer appends.
+
+    A tokenizer that appends EOS (a Llama/Mistral tokenizer with ``add_eos_token=True``, a BOS+EOS SentencePiece
+    one) put that EOS between an instruction row's prompt and its response (``<s> prompt </s> response </s>``, and
+    the generation prompt then ended in it), and a plain text ended in two EOS tokens.
+
+    Args:
+        tokenizer: The tokenizer.
+        text: The prompt.
+        prefix: :func:`peftplug.data.prompt_templates.special_prefix` of ``tokenizer`` when already known.
+    """
+    prefix = special_prefix(tokenizer) if prefix is None else prefix
+    return prefix + tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 class CausalLMData(TokenizedDataModule):
@@ -66,6 +84,7 @@ class CausalLMData(TokenizedDataModule):
         self.task = task
         self.val_fraction = val_fraction
         self.prompts: dict[str, list[str]] = {}
+        self._prefix: list[int] | None = None  # the tokenizer's special_prefix, found once in setup
 
     def _encode(self, tokenizer: Any, task: str, prompt: str, response: str | None) -> dict[str, list[int]]:
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -82,9 +101,9 @@ class CausalLMData(TokenizedDataModule):
                 target = (target + eos)[-self.max_length:] if len(target) < self.max_length else target[:-1] + eos
             return {"input_ids": source, "attention_mask": [1] * len(source), "labels": target}
         if response is None:
-            ids = (tokenizer(prompt)["input_ids"] + eos)[: self.max_length]
+            ids = (prompt_ids(tokenizer, prompt, self._prefix) + eos)[: self.max_length]
             return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": list(ids)}
-        head = tokenizer(prompt)["input_ids"]
+        head = prompt_ids(tokenizer, prompt, self._prefix)
         tail = tokenizer(response, add_special_tokens=False)["input_ids"] + eos
         if len(head) >= self.max_length:
             # Every loss token would be cut away: the row's loss is NaN (0/0) and every such step is skipped.
@@ -103,6 +122,7 @@ class CausalLMData(TokenizedDataModule):
         if self.splits:
             return
         tokenizer = self.resolve_tokenizer()
+        self._prefix = special_prefix(tokenizer)
         model_task = getattr(self._module(), "task", None)
         if self.task is not None and model_task is not None and self.task != model_task:
             # Causal-LM rows (prompt + answer in input_ids) trained a seq2seq model to copy the answer its encoder
@@ -141,11 +161,12 @@ class CausalLMData(TokenizedDataModule):
         """Prompts of the test (else validation) split, left-padded for generation."""
         split = "test" if "test" in self.splits else "validation"
         tokenizer = self.tokenizer
-        encoded = [
-            {"input_ids": ids, "attention_mask": [1] * len(ids)}
-            for ids in (tokenizer(p, truncation=True, max_length=self.max_length)["input_ids"]
-                        for p in self.prompts[split])
-        ]
         left = (self.task or getattr(self._module(), "task", "causal_lm")) == "causal_lm"
+        if left:  # the prompt as training read it (prompt_ids), cut as training cuts a plain text
+            prefix = special_prefix(tokenizer)
+            rows = [prompt_ids(tokenizer, p, prefix)[: self.max_length] for p in self.prompts[split]]
+        else:  # the encoder input, as _encode reads it
+            rows = [tokenizer(p, truncation=True, max_length=self.max_length)["input_ids"] for p in self.prompts[split]]
+        encoded = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in rows]
         return DataLoader(encoded, batch_size=self.eval_batch_size, shuffle=False, num_workers=self.num_workers,
                           collate_fn=functools.partial(pad_batch, pad_id=tokenizer.pad_token_id, left=left))
