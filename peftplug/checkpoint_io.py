@@ -23,7 +23,13 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from peftplug.errors import PeftplugError
 from peftplug.fileio import atomic_write, usual_mode
+
+
+class CheckpointWriteError(PeftplugError, OSError):
+    """A checkpoint could not be written (a full disk, a folder that cannot be written). An ``OSError`` still, for
+    code that catches those; ``peftplug fit`` prints it as one line instead of a traceback from inside Lightning."""
 
 
 def write_bytes_durably(path: str | os.PathLike, data: bytes) -> Path:
@@ -79,7 +85,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = str(path).removeprefix("file://")
         buffer = io.BytesIO()
         torch.save(checkpoint, buffer)
-        write_bytes_durably(path, buffer.getvalue())
+        try:
+            write_bytes_durably(path, buffer.getvalue())
+        except OSError as err:
+            # A disk that filled up during training was a traceback from deep inside Lightning. The write is atomic:
+            # the temporary file is gone and a previous checkpoint of that name is whole, which the user should know.
+            previous = "the previous checkpoint there is unchanged" if os.path.isfile(path) else "nothing was written"
+            problem = CheckpointWriteError(f"cannot write checkpoint {path!r}: {err.strerror or err} ({previous}); "
+                                           "free space, or set trainer.default_root_dir or the ModelCheckpoint "
+                                           "dirpath to a writable folder")
+            problem.errno = err.errno  # (given as an argument, it would put "[Errno 28]" before the message)
+            raise problem from err
 
 
 def install_atomic_checkpoint_io(trainer: Any) -> bool:
@@ -100,4 +116,4 @@ def install_atomic_checkpoint_io(trainer: Any) -> bool:
     return True
 
 
-__all__ = ["AtomicCheckpointIO", "install_atomic_checkpoint_io", "write_bytes_durably"]
+__all__ = ["AtomicCheckpointIO", "CheckpointWriteError", "install_atomic_checkpoint_io", "write_bytes_durably"]

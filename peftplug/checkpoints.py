@@ -29,6 +29,13 @@ from peftplug.fileio import safetensors_problem
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 _EXPECTED_CKPT = "expected a .ckpt file written by `peftplug fit`"
+# What torch.load of bytes that are not a (whole) checkpoint usually raises: UnpicklingError, RuntimeError from the
+# zip reader, EOFError, ValueError from the legacy format's magic number, ... A damaged data.pkl can also make the
+# weights-only unpickler fail with any other exception (KeyError on a memo index, TypeError on an unhashable key):
+# every one of them means "this file is not a readable checkpoint", so the loaders catch Exception as a whole,
+# except MemoryError (a real shortage, not the file's fault).
+_TORCH_LOAD_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, UnicodeDecodeError,
+                      zipfile.BadZipFile)
 
 
 def safe_globals() -> list[Any]:
@@ -72,6 +79,9 @@ def _not_a_checkpoint(path: Path, err: BaseException) -> CheckpointError:
             f"checkpoint {str(path)!r} contains Python objects that peftplug does not unpickle ({detail}): it was "
             f"not written by `peftplug fit`, and loading it fully could run code from the file; {_EXPECTED_CKPT}"
         )
+    if not isinstance(err, _TORCH_LOAD_ERRORS):  # a KeyError's text alone is just the key: name the type
+        return CheckpointError(f"checkpoint {str(path)!r} is damaged (its pickled data cannot be read: "
+                               f"{type(err).__name__} {one_line(err, 160)}); {_EXPECTED_CKPT}")
     return CheckpointError(f"checkpoint {str(path)!r} cannot be read ({one_line(err, 200)}); {_EXPECTED_CKPT}")
 
 
@@ -108,10 +118,9 @@ def read_checkpoint(ckpt_path: str | os.PathLike, map_location: Any = "cpu", mma
     try:
         with torch.serialization.safe_globals(safe_globals()):
             checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and zipped)
-    # torch.load of arbitrary bytes fails in many ways (UnpicklingError, RuntimeError from the zip reader, EOFError,
-    # ValueError from the legacy format's magic number, ...); all mean "this file is not a checkpoint".
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, UnicodeDecodeError,
-            zipfile.BadZipFile) as err:
+    except MemoryError:
+        raise
+    except Exception as err:  # all mean "this file is not a readable checkpoint" (see _TORCH_LOAD_ERRORS)
         raise _not_a_checkpoint(path, err) from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise CheckpointError(f"checkpoint {str(path)!r} is a PyTorch file but not a Lightning checkpoint "
@@ -132,6 +141,28 @@ def read_checkpoint(ckpt_path: str | os.PathLike, map_location: Any = "cpu", mma
             "built from a model object in Python, so the base model cannot be reloaded by name"
         )
     return checkpoint
+
+
+def check_resumable(checkpoint: dict, ckpt_path: str | os.PathLike) -> None:
+    """Refuses to resume ``fit`` from a checkpoint that holds the adapter but not the training state.
+
+    ``ModelCheckpoint(save_weights_only=True)`` writes no optimizer, LR scheduler or callback states; Lightning's
+    ``fit(ckpt_path=...)`` of such a file ended in a ``KeyError`` traceback after the model had loaded. Such a file
+    is fine for ``validate``/``test``/``predict``/``export``/``generate``.
+
+    Args:
+        checkpoint: A dict from :func:`read_checkpoint`.
+        ckpt_path: Its path, for the message.
+
+    Raises:
+        CheckpointError: If the checkpoint has no ``optimizer_states``.
+    """
+    if "optimizer_states" not in checkpoint:
+        raise CheckpointError(
+            f"--ckpt_path {str(ckpt_path)!r} cannot resume fit: it holds the adapter but no optimizer, LR scheduler "
+            "or callback state (written by ModelCheckpoint with save_weights_only: true); use it with validate, test, "
+            "predict, export or generate, or write resumable checkpoints (save_weights_only: false)"
+        )
 
 
 def find_best_checkpoint(root: str | os.PathLike) -> Path:
@@ -248,14 +279,15 @@ def _check_pickled_weights(path: Path) -> None:
         with open(path, "rb") as f:
             zipped = f.read(2) == b"PK"
         weights = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, UnicodeDecodeError,
-            zipfile.BadZipFile) as err:
+    except MemoryError:
+        raise
+    except Exception as err:  # noqa: BLE001 -- a damaged pickle raises more than _TORCH_LOAD_ERRORS (KeyError...)
         # torch's own text is a paragraph advising weights_only=False, which would run code from a foreign file.
         if isinstance(err, OSError) and err.strerror:
             why = f"cannot be read: {err.strerror}"
         elif "Unsupported global" in str(err):
             why = "holds Python objects beyond tensors (not unpickled: that could run code from the file)"
-        elif zipped:
+        elif zipped or not isinstance(err, _TORCH_LOAD_ERRORS):
             why = "is truncated or damaged"
         else:
             why = "is not a PyTorch file (or is damaged)"
@@ -309,6 +341,7 @@ def check_adapter_dir(path: str | os.PathLike) -> Path:
 __all__ = [
     "ADAPTER_CONFIG",
     "check_adapter_dir",
+    "check_resumable",
     "describe_checkpoint",
     "load_checkpoint_module",
     "read_checkpoint",

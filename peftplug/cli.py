@@ -203,7 +203,12 @@ def _cli_classes():
             """
             import torch
 
-            from peftplug.checkpoints import find_best_checkpoint, read_checkpoint, safe_globals
+            from peftplug.checkpoints import (
+                check_resumable,
+                find_best_checkpoint,
+                read_checkpoint,
+                safe_globals,
+            )
             from peftplug.resume import find_last_checkpoint
 
             torch.serialization.add_safe_globals(safe_globals())
@@ -219,7 +224,9 @@ def _cli_classes():
                 print(f"peftplug: {'resuming from' if subcommand == 'fit' else 'checkpoint'} {ckpt_path}",
                       file=sys.stderr, flush=True)
             if ckpt_path:  # "hpc"/"registry" too: no such file here, one line
-                read_checkpoint(ckpt_path, mmap=True)
+                checkpoint = read_checkpoint(ckpt_path, mmap=True)
+                if subcommand == "fit":
+                    check_resumable(checkpoint, ckpt_path)
                 if self.config[subcommand].get("weights_only", False) is None:
                     self.config[subcommand].weights_only = True  # what read_checkpoint just loaded it with
             before = _comparable(_flat(self.config[subcommand].get("model"))) if subcommand else {}

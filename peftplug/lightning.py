@@ -7,6 +7,7 @@ zeroth-order one (manual optimization, see :meth:`PeftModule.training_step`). Ch
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 from pathlib import Path
@@ -44,7 +45,14 @@ from peftplug.parameter_report import parameter_report
 from peftplug.peft_type_support import check_peft_type_support
 from peftplug.prompt_generation import generate_new_tokens
 from peftplug.quantized_layout import keep_exact_4bit_layout
-from peftplug.resume import RNG_KEY, restore_loader_position, restore_rng, rng_state
+from peftplug.resume import (
+    RNG_KEY,
+    note_replaced_optimizer_settings,
+    optimizer_settings,
+    restore_loader_position,
+    restore_rng,
+    rng_state,
+)
 from peftplug.schedules import build_lr_scheduler, check_resumed_length
 from peftplug.sharding import (
     FSDP_MIXED_PRECISIONS,
@@ -159,6 +167,10 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
             # Saved in plain form so that load_from_checkpoint and hparams.yaml need no pickled classes.
             if isinstance(peft, PeftConfig):
                 self.hparams["peft"] = peft_config_to_dict(self.peft_config)
+            elif isinstance(peft, dict):
+                # PEFT's enums (PeftType.LORA, TaskType.CAUSAL_LM) by value: a plain Trainer's fit(ckpt_path=...) and
+                # load_from_checkpoint load with torch's default weights_only=True, which refuses their class.
+                self.hparams["peft"] = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in peft.items()}
             check_peft_type_support(base, self.peft_config)
             self.model = attach_adapter(base, self.peft_config)
         else:
@@ -274,6 +286,10 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
         return self.tokenizer.batch_decode(generated, skip_special_tokens=True)
 
     # ---------------------------------------------------------------- training
+    def on_fit_start(self) -> None:
+        """On a resume: remembers the optimizer settings of the config, before the checkpoint's state replaces them."""
+        self._configured_optimizer = optimizer_settings(self.trainer)
+
     def on_train_start(self) -> None:
         """On a resume: restores the checkpoint's RNG states (:meth:`on_load_checkpoint`), checks its LR schedule."""
         # A run sized by epochs had its loader built before the restore (estimated_stepping_batches): without this,
@@ -284,6 +300,8 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
         # (load_from_checkpoint, validate/test with ckpt_path) and is now fitted afresh keeps the run's seed.
         if states is not None and self.trainer.ckpt_path is not None:
             restore_rng(states)
+        note_replaced_optimizer_settings(self.trainer, getattr(self, "_configured_optimizer", None))
+        self._configured_optimizer = None
         check_resumed_length(self.lr_schedulers(), self.trainer, self.hparams.lr_scheduler_interval,
                              not self.automatic_optimization)
 
@@ -417,7 +435,7 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
         if not is_sharded(self.model):
             return state
         prefix = kwargs.get("prefix", "")
-        keys = {prefix + key for key in self.adapter_state_keys()}
+        keys = {prefix + key for key in self.adapter_state_keys() + self.adapter_buffer_keys()}
         for key in [k for k in state if k not in keys]:
             del state[key]
         return state
@@ -457,6 +475,19 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
         """Names (in this module's state dict) of the trainable tensors: the adapter and modules_to_save."""
         return [f"model.{name}" for name, p in self.model.named_parameters() if p.requires_grad]
 
+    def adapter_buffer_keys(self) -> list[str]:
+        """Names of the persistent buffers of the modules that own trainable tensors: adapter state that does not
+        train but is not in the base model either (PCT's ``P_0`` and ``S_k``, a modules_to_save copy's running
+        statistics). Saved with the adapter; optional on load (checkpoints from before them still load)."""
+        owners = {name.rpartition(".")[0] for name, p in self.model.named_parameters() if p.requires_grad}
+        keys = []
+        for owner in sorted(owners):
+            module = self.model.get_submodule(owner)
+            prefix = f"model.{owner}." if owner else "model."
+            keys += [prefix + name for name, _ in module.named_buffers(recurse=False)
+                     if name not in module._non_persistent_buffers_set]
+        return keys
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keeps only the adapter tensors in the checkpoint (the base model is reloaded from its name) and adds the
         global RNG states (:mod:`peftplug.resume`), which an exact resume needs.
@@ -464,7 +495,7 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
         Args:
             checkpoint: The checkpoint dict Lightning is about to write.
         """
-        keys = set(self.adapter_state_keys())
+        keys = set(self.adapter_state_keys()) | set(self.adapter_buffer_keys())
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keys}
         checkpoint[CHECKPOINT_KEY] = {"format": CHECKPOINT_FORMAT, "keys": sorted(keys), "task": self.task,
                                       "prompts": getattr(self.trainer.datamodule, "prompt_format", None)}

@@ -13,6 +13,11 @@ recipe's ``default_root_dir``. Lightning's own ``"last"`` looks only in the chec
 logger version, which is a new, empty one in every run that has a logger.
 (:func:`peftplug.checkpoints.find_best_checkpoint` does the same for ``"best"``.)
 
+:func:`optimizer_settings` (before the restore) and :func:`replaced_optimizer_settings` /
+:func:`note_replaced_optimizer_settings` (after it) name the optimizer settings of the config that the checkpoint's
+optimizer state replaced (``Optimizer.load_state_dict`` restores the param groups: a resume with another ``lr`` kept
+the checkpoint's without a word).
+
 :func:`restore_loader_position` applies the training loader's saved position when Lightning created the loader
 before restoring the checkpoint (runs sized by ``max_epochs`` whose ``configure_optimizers`` asks for
 ``trainer.estimated_stepping_batches``).
@@ -95,6 +100,104 @@ def restore_loader_position(trainer: Any) -> bool:
     return True
 
 
+def _settings(optimizer: Any, plateau: bool) -> list[dict[str, Any]]:
+    """Per param group, the optimizer's constructor settings (its ``defaults`` keys) as the group holds them, minus
+    what an LR scheduler moves during a run: the learning rate is taken from ``initial_lr`` where a scheduler set one
+    (and left out under ``ReduceLROnPlateau`` or a cyclic schedule, which move it without one), momentum/betas are
+    left out under a cyclic schedule (``OneCycleLR``/``CyclicLR`` cycle them)."""
+    groups = []
+    for group in optimizer.param_groups:
+        cyclic = "max_lr" in group or "max_momentum" in group
+        settings = {}
+        for key in optimizer.defaults:
+            if key == "params" or key not in group or (key in ("betas", "momentum") and cyclic):
+                continue
+            if key == "lr":
+                if "initial_lr" in group and not cyclic:
+                    settings[key] = group["initial_lr"]
+                elif not plateau and not cyclic:
+                    settings[key] = group["lr"]
+                continue
+            settings[key] = group[key]
+        groups.append(settings)
+    return groups
+
+
+def _plateau(trainer: Any) -> bool:
+    import torch
+
+    return any(isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+               for config in getattr(trainer, "lr_scheduler_configs", []) or [])
+
+
+def optimizer_settings(trainer: Any) -> list[list[dict[str, Any]]] | None:
+    """The settings of the optimizers as built from the config, before a resume restores their state; ``None``
+    unless this fit resumes (``trainer.ckpt_path``). Call it at ``on_fit_start`` (optimizers built, not restored).
+
+    Args:
+        trainer: The ``lightning.pytorch.Trainer``.
+    """
+    if getattr(trainer, "ckpt_path", None) is None:
+        return None
+    plateau = _plateau(trainer)
+    return [_settings(optimizer, plateau) for optimizer in trainer.optimizers]
+
+
+def replaced_optimizer_settings(trainer: Any, configured: list[list[dict[str, Any]]] | None) -> list[str]:
+    """Which optimizer settings of the config the resumed checkpoint replaced, as ``"lr: 0.5 -> 0.01"``; call it at
+    ``on_train_start`` with what :func:`optimizer_settings` returned at ``on_fit_start``.
+
+    ``Optimizer.load_state_dict`` restores the param groups with the checkpoint's values: a resume with another
+    ``lr`` or ``weight_decay`` in the recipe kept the checkpoint's without a word (Lightning's convention, as for the
+    model settings, which ``peftplug fit`` names on one line; these were not).
+
+    Args:
+        trainer: The ``lightning.pytorch.Trainer``, its optimizers restored.
+        configured: From :func:`optimizer_settings` (``None``: not a resume, nothing to say).
+
+    Returns:
+        The replaced settings (first group that differs per setting), ``[]`` if none.
+    """
+    if configured is None:
+        return []
+    plateau = _plateau(trainer)
+    changed: dict[str, str] = {}
+    for before_groups, optimizer in zip(configured, trainer.optimizers):
+        for before, after in zip(before_groups, _settings(optimizer, plateau)):
+            for key, value in before.items():
+                if key in after and key not in changed and _differs(value, after[key]):
+                    changed[key] = f"{key}: {value!r} -> {after[key]!r}"
+    return list(changed.values())
+
+
+def _differs(a: Any, b: Any) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):  # (a tensor lr, for capturable optimizers)
+        return not torch.equal(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):  # betas come back as a list or a tuple
+        return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b))
+    return a != b
+
+
+def note_replaced_optimizer_settings(trainer: Any, configured: list[list[dict[str, Any]]] | None) -> list[str]:
+    """Prints, on rank zero, one line naming the optimizer settings a resume kept from the checkpoint
+    (:func:`replaced_optimizer_settings`); returns them.
+
+    Args:
+        trainer: The ``lightning.pytorch.Trainer`` at ``on_train_start``.
+        configured: From :func:`optimizer_settings` at ``on_fit_start``.
+    """
+    import sys
+
+    changed = replaced_optimizer_settings(trainer, configured)
+    if changed and getattr(trainer, "is_global_zero", True):
+        print("peftplug: --ckpt_path: the checkpoint's optimizer state keeps its own settings, not the config's: "
+              f"model.optimizer.init_args.{'; model.optimizer.init_args.'.join(changed)} (to train with new settings, start a new run "
+              "from the checkpoint's adapter)", file=sys.stderr, flush=True)
+    return changed
+
+
 def find_last_checkpoint(root: str | os.PathLike, asked: str = "last") -> Path:
     """The most recently written ``.ckpt`` file under ``root`` (any depth).
 
@@ -131,4 +234,13 @@ def find_last_checkpoint(root: str | os.PathLike, asked: str = "last") -> Path:
     return max(found, key=lambda p: (p.stat().st_mtime_ns, p.name == "last.ckpt"))
 
 
-__all__ = ["RNG_KEY", "find_last_checkpoint", "restore_loader_position", "restore_rng", "rng_state"]
+__all__ = [
+    "RNG_KEY",
+    "find_last_checkpoint",
+    "note_replaced_optimizer_settings",
+    "optimizer_settings",
+    "replaced_optimizer_settings",
+    "restore_loader_position",
+    "restore_rng",
+    "rng_state",
+]
