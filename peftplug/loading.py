@@ -525,8 +525,16 @@ def build_peft_config(spec: Any, task: str):
             "peft must be a PeftConfig, a dict with 'peft_type', or a dict with 'class_path' and 'init_args'; "
             f"got {type(spec).__name__}"
         )
-    if getattr(config, "task_type", None) is None and hasattr(config, "task_type"):
+    if not hasattr(config, "task_type"):
+        return config
+    if config.task_type is None:
         config.task_type = PEFT_TASK_TYPES[task]
+    given, expected = str(getattr(config.task_type, "value", config.task_type)), PEFT_TASK_TYPES[task]
+    if given != expected:
+        # PEFT wraps the model by task_type: CAUSAL_LM over a classifier stopped with an AttributeError from
+        # generation code, and FEATURE_EXTRACTION left the fresh classification head untrained and unsaved.
+        raise ConfigError(f"peft.task_type {given!r} does not fit model.task {task!r}: use {expected!r} or leave "
+                          "it unset (it follows model.task)")
     return config
 
 
