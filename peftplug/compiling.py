@@ -49,7 +49,49 @@ def check_compile_settings(compile: bool | str, compile_options: dict | None) ->
     if unknown:
         raise ConfigError(f"model.compile_options: unknown key(s) {unknown}; accepted: {list(COMPILE_OPTIONS)} "
                           "(fullgraph is set by model.compile)")
+    check_option_values(options)
     return options
+
+
+def check_option_values(options: dict) -> None:
+    """Refuses ``compile_options`` values that ``torch.compile`` would refuse only once the model is loaded (a mode
+    typo: a RuntimeError; ``dynamic: auto``: a bare AssertionError), in one line naming the field.
+
+    Args:
+        options: The ``compile_options`` mapping (keys already checked).
+
+    Raises:
+        ConfigError: Naming the field and the accepted values.
+    """
+    mode, dynamic, inductor_options = options.get("mode"), options.get("dynamic"), options.get("options")
+    if mode is not None:
+        from torch._inductor import list_mode_options
+
+        modes = list(list_mode_options())
+        if mode not in modes:
+            raise ConfigError(f"model.compile_options.mode must be one of {modes} or null; got {mode!r}")
+    # ``is``, not ``in``: 1 == True, and torch.compile asserts a real bool.
+    if not (dynamic is None or dynamic is True or dynamic is False):
+        raise ConfigError("model.compile_options.dynamic must be true (symbolic shapes from the start), false "
+                          f"(one graph per shape) or null (automatic, the default); got {dynamic!r}")
+    if inductor_options is not None and not isinstance(inductor_options, dict):
+        raise ConfigError(f"model.compile_options.options must be a mapping of Inductor settings; got "
+                          f"{inductor_options!r}")
+    if mode is not None and inductor_options is not None:
+        raise ConfigError("model.compile_options: give mode or options, not both (torch.compile takes one of them)")
+    backend = options.get("backend")
+    if isinstance(backend, str):
+        from torch._dynamo import lookup_backend
+        from torch._dynamo.exc import InvalidBackend
+
+        try:
+            lookup_backend(backend)
+        except InvalidBackend:
+            raise ConfigError(f"model.compile_options.backend must be a registered dynamo backend (e.g. 'inductor', "
+                              f"'aot_eager', 'eager'; torch._dynamo.list_backends() lists them); got {backend!r}"
+                              ) from None
+    elif backend is not None and not callable(backend):
+        raise ConfigError(f"model.compile_options.backend must be a backend name or a callable; got {backend!r}")
 
 
 def compile_model(model: nn.Module, fullgraph: bool, options: dict) -> None:
