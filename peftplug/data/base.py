@@ -128,6 +128,24 @@ class TokenizedDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         return None if trainer is None else trainer.lightning_module
 
+    def check_model_task(self, served: str, instead: str) -> None:
+        """Refuses a trainer's module of another task than the one these rows are for (no module: nothing to check).
+
+        Classification rows under a causal LM stopped with a batch-size ``ValueError`` from the loss; prompt rows
+        under a ``seq_cls`` model trained its head on the template text, ignoring the label words, silently.
+
+        Args:
+            served: The ``model.task`` the rows are made for.
+            instead: What to use for the other tasks, for the message.
+
+        Raises:
+            ConfigError: If the module's ``task`` is another.
+        """
+        task = getattr(self._module(), "task", None)
+        if task is not None and task != served:
+            raise ConfigError(f"{type(self).__name__} serves model.task {served!r}, but model.task is {task!r}: set "
+                              f"model.task: {served}, or {instead}")
+
     def resolve_tokenizer(self) -> Any:
         """The tokenizer: loaded from the ``tokenizer`` setting, else borrowed from the trainer's module (once).
 

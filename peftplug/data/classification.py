@@ -156,6 +156,8 @@ class TextClassificationData(TokenizedDataModule):
         """
         if self.splits:
             return
+        self.check_model_task("seq_cls", "for label words scored by the language model use "
+                              "peftplug.data.PromptClassificationData (prompt_cls), for answers as text ChatData")
         tokenizer = self.resolve_tokenizer()
         raw = self.load_raw()
         self._map_labels(raw)

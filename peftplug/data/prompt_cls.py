@@ -126,6 +126,8 @@ class PromptClassificationData(TokenizedDataModule):
         """
         if self.splits:
             return
+        self.check_model_task("prompt_cls", "for a classification head (seq_cls) use "
+                              "peftplug.data.TextClassificationData")
         # Rows first: a missing file or an unreachable hub is reported before any tokenizer is loaded.
         rows_by_split = (hub_split_rows(self.task.name, self.k, self.split_seed, self.max_test)
                          if self.source == "hub"
