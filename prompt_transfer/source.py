@@ -258,6 +258,13 @@ def validate_sources_recipe(recipe: Mapping, check_files: bool = True) -> dict:
         if "peft" in source["model"]:
             raise ValueError(f"{where}.model.peft cannot be overridden: the prompt config is shared so that the "
                              "source prompts stack into one decomposition")
+        task = source["model"].get("task", recipe["model"].get("task"))
+        if recipe.get("zero_shot") and task == "seq_cls":
+            # A fresh classification head scores chance whatever the prompt, and PEFT's disable_adapter() on a
+            # prompt-learning sequence classifier fails (UnboundLocalError in PEFT 0.21): nothing to measure.
+            raise ValueError(f"zero_shot: true needs sources that answer without training (model.task prompt_cls or "
+                             f"causal_lm); {where} has model.task seq_cls, whose new head is untrained: set "
+                             "zero_shot: false")
         checked.append(source)
     recipe["sources"] = checked
     if recipe.get("decompose") is not None:
