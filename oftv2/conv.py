@@ -13,6 +13,13 @@ the adapter is not the identity at init and its merged weights do not reproduce 
 1 × 1 kernels. Ours computes exactly ``conv(x, W_flat Rᵀ)``: identity at init, merge == forward, for any kernel
 shape, stride, padding (any mode), dilation and groups.
 
+``nn.Conv2d`` subclasses with a forward of their own (BiT / ViT-hybrid / DPT-hybrid's ``WeightStandardizedConv2d``,
+which standardizes the kernel on every call, Perceiver's ``Conv2dSamePadding``, timm's ``StdConv2d`` /
+``Conv2dSame``) run that forward with the rotated kernel in place of their weight: ``layer(x; W_flat Rᵀ)``, which is
+the identity at init and what the merged layer (weight ``W_flat Rᵀ``) computes. Calling ``_conv_forward`` directly,
+as for a plain conv, skipped their padding or standardization (a different model at init, or a shape error); the
+input-centric evaluation cannot express such a forward, so these layers always evaluate ``"weight"``.
+
 Two evaluations of the same function (``OFTv2Config.conv_evaluation``):
     ``"weight"``  rebuild ``W_flat Rᵀ`` each call and run the base conv with it: the rotation costs
                   O(out · in·k² · b), independent of the batch, and backward pays one conv weight-gradient.
@@ -66,6 +73,9 @@ class Conv2d(OFTv2Module):
                 f"OFTv2 cannot adapt {kwargs.get('layer_name', 'this Conv2d')!r}: it already carries an adapter of "
                 f"another method ({type(base_layer).__name__}); OFTv2 on Conv2d needs the plain nn.Conv2d"
             )
+        # Whether the conv's class replaces nn.Conv2d's forward (see the module docstring): then it runs with the
+        # rotated kernel substituted for its weight.
+        self.custom_forward = has_own_forward(self.get_base_layer())
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, **kwargs)
 
@@ -134,6 +144,8 @@ class Conv2d(OFTv2Module):
             x: The conv's input.
         """
         choice = self.oftv2_settings[self._active_rotations()[0]].conv_evaluation
+        if self.custom_forward:
+            return "weight"  # the class's own forward can only be run with a substituted kernel
         if choice != "auto":
             return choice
         base = self.get_base_layer()
@@ -172,10 +184,23 @@ class Conv2d(OFTv2Module):
         if self.evaluation_for(x) == "input":
             return self._input_centric(x)
         base = self.get_base_layer()
+        if self.custom_forward:
+            # The class's own forward (padding, weight standardization, ...) with W_flat Rᵀ as its weight.
+            return torch.func.functional_call(base, {"weight": self.rotated_weight()}, (x, *args), kwargs)
         return base._conv_forward(x, self.rotated_weight(), base.bias)
 
     def __repr__(self) -> str:
         return "oftv2." + super().__repr__()
+
+
+def has_own_forward(conv: nn.Module) -> bool:
+    """Whether ``conv`` (an ``nn.Conv2d``) is of a class that overrides ``forward`` or ``_conv_forward``.
+
+    Args:
+        conv: The base conv layer.
+    """
+    cls = type(conv)
+    return cls.forward is not nn.Conv2d.forward or cls._conv_forward is not nn.Conv2d._conv_forward
 
 
 dispatch_conv2d = type_dispatcher(nn.Conv2d, Conv2d)

@@ -17,6 +17,7 @@ from peftplug.adapter_params import UpgradesLegacyKeys
 from .config import OFTv2Config
 from .conv import dispatch_conv2d
 from .embedding import dispatch_embedding
+from .experts import check_expert_targets
 from .layer import OFTv2Layer, dispatch_default
 from .stacking import stack_rotations
 
@@ -95,12 +96,17 @@ class OFTv2Model(UpgradesLegacyKeys, BaseTuner):
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
         """PEFT's injection; when no module matched, the error also lists the adaptable modules that exist.
 
+        Targets naming fused MoE expert weights (3-D parameters, not layers) are refused or warned about first
+        (``oftv2.experts``).
+
         Args:
             model: The model to adapt.
             adapter_name: Name of the adapter.
             *args: Passed to ``BaseTuner.inject_adapter``.
             **kwargs: Passed to ``BaseTuner.inject_adapter``.
         """
+        # Before anything is replaced: a refusal must leave the model as it was.
+        check_expert_targets(model, self.peft_config[adapter_name])
         try:
             super().inject_adapter(model, adapter_name, *args, **kwargs)
         except ValueError as err:

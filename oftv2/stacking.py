@@ -47,8 +47,10 @@ def eligible(layer: OFTv2Layer, adapter_name: str, q_param: torch.Tensor | None 
         return False
     if settings.block_share and settings.dropout > 0:
         return False
-    if isinstance(layer, Conv2d) and settings.conv_evaluation != "input":
-        return False  # "weight" (and "auto", per call) rotates the filter, not the input
+    if isinstance(layer, Conv2d) and (settings.conv_evaluation != "input" or layer.custom_forward):
+        # "weight" (and "auto", per call; always for a conv class with its own forward) rotates the filter, not the
+        # input
+        return False
     plan = layer.kernel_plan(adapter_name) if q_param is None else layer.plan_for(adapter_name, q_param)
     return plan.fused_max_tokens == 0
 
