@@ -250,7 +250,9 @@ def _series_gap(model: nn.Module, adapter_name: str) -> float:
 
 
 def _conv_layers_beyond_1x1(model: nn.Module, adapter_name: str) -> list[str]:
-    """Names of the ``Conv2d`` layers of ``adapter_name`` with a kernel larger than 1 × 1 (see the module docstring).
+    """Names of the ``Conv2d`` layers of ``adapter_name`` with a kernel larger than 1 × 1 (see the module docstring),
+    or of a conv class with its own forward (weight standardization, SAME padding: PEFT's unmerged forward skips it
+    at any kernel size).
 
     Args:
         model: A model holding OFTv2 layers.
@@ -258,7 +260,7 @@ def _conv_layers_beyond_1x1(model: nn.Module, adapter_name: str) -> list[str]:
     """
     return [name for name, module in model.named_modules()
             if isinstance(module, Conv2d) and adapter_name in module.oftv2_Q
-            and math.prod(module.get_base_layer().kernel_size) > 1]
+            and (math.prod(module.get_base_layer().kernel_size) > 1 or module.custom_forward)]
 
 
 def _peft_cannot_load(model: nn.Module, adapter_name: str) -> list[str]:
@@ -324,7 +326,8 @@ def export_peft_oft_adapter(
     convs = _conv_layers_beyond_1x1(peft_model, adapter_name)
     if convs:
         warnings.warn(
-            f"adapter {adapter_name!r} adapts Conv2d layers with kernels larger than 1 x 1 ({', '.join(convs[:5])}): "
+            f"adapter {adapter_name!r} adapts Conv2d layers with kernels larger than 1 x 1 or a forward of their own "
+            f"({', '.join(convs[:5])}): "
             "PEFT 0.21's unmerged OFT Conv2d forward computes another function there (oftv2.conv); in PEFT, "
             "evaluate the exported adapter after merge_and_unload()",
             stacklevel=2,
@@ -554,7 +557,7 @@ def load_peft_oft_adapter(
     convs = _conv_layers_beyond_1x1(peft_model, adapter_name)
     if convs:
         warnings.warn(
-            f"PEFT OFT adapter {adapter_dir} adapts Conv2d layers with kernels larger than 1 x 1 "
+            f"PEFT OFT adapter {adapter_dir} adapts Conv2d layers with kernels larger than 1 x 1 or a forward of their own "
             f"({', '.join(convs[:5])}): the converted adapter computes conv(x, W_flat R^T), what PEFT's merged model "
             "(merge_and_unload) computes; PEFT 0.21's unmerged outputs differ there (oftv2.conv)",
             stacklevel=2,

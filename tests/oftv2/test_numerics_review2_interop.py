@@ -111,7 +111,7 @@ def test_export_of_a_3x3_conv_warns_and_peft_needs_the_merge(tmp_path):
     x = torch.randn(2, 4, 7, 7)
     with torch.no_grad():
         expected = ours(x)
-    with pytest.warns(UserWarning, match=r"kernels larger than 1 x 1 \(base_model.model.0\)"):
+    with pytest.warns(UserWarning, match=r"kernels larger than 1 x 1 or a forward of their own \(base_model.model.0\)"):
         export_peft_oft_adapter(ours, tmp_path)
     vanilla = PeftModel.from_pretrained(_convs(), tmp_path).eval()
     with torch.no_grad():
