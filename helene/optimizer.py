@@ -359,12 +359,24 @@ class Helene(ZerothOrderOptimizer):
         if self.preconditioner == "scalar":
             self.second_moment.append(0.0)
 
-    def set_total_steps(self, total_steps: int) -> None:
+    def set_total_steps(self, total_steps: float) -> None:
         """Tells the optimizer the run's length, which ``anneal_horizon="auto"`` derives T from.
 
         Args:
-            total_steps: Number of optimizer steps the run will take (e.g. ``trainer.estimated_stepping_batches``).
+            total_steps: Number of optimizer steps the run will take (e.g. ``trainer.estimated_stepping_batches``),
+                or ``math.inf`` for a run without a fixed length (what Lightning estimates for ``max_steps: -1``
+                with ``max_epochs: -1``, a run bounded by ``max_time`` or a callback).
+
+        Raises:
+            ValueError: If ``total_steps`` is not an int >= 1 or ``inf``, or is ``inf`` with
+                ``anneal_horizon="auto"`` (10% of an unbounded run is no horizon).
         """
+        if isinstance(total_steps, float) and total_steps == math.inf:
+            if self.anneal_horizon == "auto":
+                raise ValueError("anneal_horizon must be a number of steps > 0 for a run without a fixed length "
+                                 "(total_steps=inf: max_steps and max_epochs unbounded); 'auto' is 10% of the run")
+            self.total_steps = None  # a numeric horizon does not read it
+            return
         self.total_steps = check_int("total_steps", total_steps, low=1)
 
     def horizon(self) -> float:

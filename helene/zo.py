@@ -168,6 +168,8 @@ class ZerothOrderOptimizer(ZerothOrderState, Optimizer):
 
     #: Tells the trainer to use manual optimization and to pass a loss-only closure.
     is_zeroth_order = True
+    #: The running two-point step's per-tensor offsets (``θ + offset·ε·z``) while it restores; ``None`` otherwise.
+    _step_offsets: list[float] | None = None
 
     def __init__(self, params, defaults: dict, *, eps: float, seed: int, master_weights: Any = "auto",
                  sync_seed: bool = True, perturbation: str = "gaussian"):
@@ -451,14 +453,19 @@ class ZerothOrderOptimizer(ZerothOrderState, Optimizer):
         """Restores each parameter from θ − εz and yields ``(group, param, weights, z)``.
 
         ``weights`` is the fp32 tensor the update must modify (the master copy, or the parameter itself);
-        after the caller's update a master copy is written back into the parameter.
+        after the caller's update a master copy is written back into the parameter. Each in-place tensor's entry
+        of the step's offsets (when a step is running) is zeroed once it is back, so that :meth:`_undo` can put
+        back the rest if the update raises part-way.
         """
         draw = self._z_stream(seed)
-        for group, p in self._trainable():
+        offsets = self._step_offsets
+        for i, (group, p) in enumerate(self._trainable()):
             z = draw(p)
             master = self.state[p].get("master")
             if master is None:
                 p.add_(z, alpha=self.eps)
+                if offsets is not None:
+                    offsets[i] = 0.0
                 yield group, p, p, z
             else:
                 yield group, p, master, z
@@ -513,16 +520,27 @@ class ZerothOrderOptimizer(ZerothOrderState, Optimizer):
             raise
         self.step_count += 1
         losses = [loss_plus, loss_minus] + ([center] if center is not None else [])
-        if not all(math.isfinite(v) for v in losses):
-            # Restore exactly as a normal step would, but leave every state tensor untouched.
-            for _ in self._restored(seed):
-                pass
-            self.skipped_nonfinite += 1
-            self.last_projected_grad = float("nan")
-            return torch.tensor(float("nan"))
-        projected = (loss_plus - loss_minus) / (2.0 * self.eps)
-        self.last_projected_grad = projected
-        self._apply_update(seed, projected, loss_plus, loss_minus, center)
+        # The restore is fused with the update (a third pass that draws z): a raise there (a Ctrl-C landing while
+        # z is drawn, which costs about a forward) used to leave every tensor not yet reached at θ − εz, in a
+        # model the user may save next. _restored zeroes each tensor's offset once it is back, so _undo can finish.
+        self._step_offsets = offsets
+        try:
+            if not all(math.isfinite(v) for v in losses):
+                # Restore exactly as a normal step would, but leave every state tensor untouched.
+                for _ in self._restored(seed):
+                    pass
+                self.skipped_nonfinite += 1
+                self.last_projected_grad = float("nan")
+                return torch.tensor(float("nan"))
+            projected = (loss_plus - loss_minus) / (2.0 * self.eps)
+            self.last_projected_grad = projected
+            self._apply_update(seed, projected, loss_plus, loss_minus, center)
+        except BaseException:
+            # Tensors already updated keep their update (the step is partly applied); none stays perturbed.
+            self._undo(seed, offsets)
+            raise
+        finally:
+            self._step_offsets = None
         self.update_count += 1
         return torch.tensor(0.5 * (loss_plus + loss_minus), dtype=torch.float32)
 

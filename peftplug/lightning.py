@@ -459,7 +459,8 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
             check_zeroth_order_trainer(self.trainer)
         if hasattr(optimizer, "set_total_steps") and self._trainer is not None:
             # Lets schedules inside the optimizer (HELENE's annealing horizon "auto") follow the run's length.
-            optimizer.set_total_steps(int(self.trainer.estimated_stepping_batches))
+            run = self.trainer.estimated_stepping_batches  # inf for a run bounded by max_time only
+            optimizer.set_total_steps(run if math.isinf(run) else int(run))
         if self.lr_scheduler_factory is None:
             return optimizer
         # Lengths left null follow the run (trainer.estimated_stepping_batches); one that would run out is refused.
