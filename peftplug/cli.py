@@ -365,7 +365,7 @@ def _cli_classes():
             config = self._get(self.config_init, "trainer", default={}) or {}
             check_trainer_settings(*(config.get(k, d) for k, d in (
                 ("accelerator", "auto"), ("strategy", "auto"), ("devices", "auto"), ("max_steps", -1),
-                ("max_epochs", None))))
+                ("max_epochs", None), ("num_nodes", None))))
             callbacks = config.get("callbacks") or []
             callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
             if config.get("enable_progress_bar", True) is not False and not any(

@@ -75,6 +75,21 @@ def debug_requested(argv: Sequence[str]) -> tuple[list[str], bool]:
     return argv, debug or os.environ.get(DEBUG_ENV, "").strip() not in ("", "0", "false", "False")
 
 
+def _peer_failed(err: BaseException) -> bool:
+    """Whether ``err`` says another process of an initialized multi-process group went away.
+
+    Args:
+        err: The exception that ended the command.
+    """
+    text = str(err)
+    # gloo says "closed by peer ... remote worker crashing" or "reset by peer ... remote worker hanging", by timing.
+    if not any(mark in text for mark in ("by peer", "remote worker", "NCCL communicator was aborted")):
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def run_command(prog: str, command: Callable[[list[str]], int | None], argv: Sequence[str]) -> int:
     """The error boundary of a command-line program: runs ``command(argv)`` and turns user errors into one line.
 
@@ -99,6 +114,14 @@ def run_command(prog: str, command: Callable[[list[str]], int | None], argv: Seq
             traceback.print_exception(err, file=sys.stderr)
         print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
         return 2
+    except RuntimeError as err:  # (torch's DistBackendError is one)
+        if debug or not _peer_failed(err):
+            raise
+        # Another process of a multi-process run failed and printed its own error; this one's ~100 lines of
+        # "Connection closed by peer" tracebacks buried it.
+        print(f"{prog}: error: another process of this run failed (its error is printed above); this process "
+              f"stopped with it ({one_line(err, 120)})", file=sys.stderr, flush=True)
+        return 1
     except BrokenPipeError:
         # The reader of our output left (`peftplug fit --help | head`): stop quietly, as `cat` would. Pointing
         # stdout at /dev/null spares the interpreter's last flush the same error.

@@ -166,23 +166,33 @@ def zeroth_order_loss(model: torch.nn.Module, compute: Callable[[], torch.Tensor
     FSDP2 unit of ``model`` resharded afterwards.
 
     FSDP2 keeps the root unit's parameters gathered after its forward, for the backward that would reshard them. A
-    zeroth-order step has no backward and updates the sharded parameters in place between its forwards, so without
-    resharding the next forward would run on stale gathered copies of everything the root holds (embeddings, the
-    final norm, ``lm_head``): their updates would be lost (the blocks, resharded after each forward, were fine).
+    zeroth-order step has no backward and updates (and perturbs) the sharded parameters in place between its
+    forwards, so a forward that finds the root still gathered runs on stale copies of everything the root holds
+    (embeddings, the final norm, ``lm_head``, steering vectors). Every unit is resharded after the forward, and
+    before it too: a validation pass (the sanity check, ``val_check_interval``) or any other forward without a
+    backward leaves the root gathered as well, and the first perturbed forward of the next step then ran without
+    its perturbation of those tensors (a wrong projected gradient after every validation).
 
     Args:
         model: The model ``compute`` runs (sharded or not).
         compute: Runs the forward and returns the loss.
     """
+    _reshard_all(model)
     with torch.no_grad():
         loss = compute().detach().float()
+    _reshard_all(model)
+    return loss
+
+
+def _reshard_all(model: torch.nn.Module) -> None:
+    """Frees the gathered parameters of every FSDP2 unit in ``model``, so that the next forward gathers the shards
+    as they are now (a no-op for a unit already resharded, and without a process group)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         from torch.distributed.fsdp import FSDPModule
 
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
-    return loss
 
 
 def shard_model(model: torch.nn.Module, mesh: Any, mixed_precision: str = "none") -> int:

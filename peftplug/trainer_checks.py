@@ -4,7 +4,7 @@ Lightning refuses an unavailable accelerator or strategy in several ways — a `
 ``tpu`` without ``torch_xla``, ``TypeError`` for device lists on the CPU, messages that do not say which setting to
 change — and accepts 64 CPU processes on a 2-core machine. :func:`check_trainer_settings` says what is wrong in
 one :class:`peftplug.errors.ConfigError` that names the field and what this machine has, before Lightning builds
-anything (and refuses ``max_steps`` / ``max_epochs`` of 0, which train nothing). Settings given as objects (an ``Accelerator`` or ``Strategy`` instance) are left to Lightning.
+anything (and refuses ``max_steps`` / ``max_epochs`` of 0, which train nothing). Settings given as objects (an ``Accelerator`` or ``Strategy`` instance) are left to Lightning, except a ``ModelParallelStrategy``'s sizes.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def _check_devices(devices: Any, accelerator: str | None) -> None:
         except ValueError:
             if accelerator == "cpu":
                 raise ConfigError(f"trainer.devices: {devices!r} is not a number of processes; with the cpu "
-                                  "accelerator give a number >= 1, -1 (one per core) or 'auto'") from None
+                                  "accelerator give a number >= 1 or 'auto'") from None
             return  # "0,1" device indices: Lightning parses and checks them
     if isinstance(devices, (list, tuple)):
         if accelerator == "cpu":
@@ -120,6 +120,11 @@ def _check_devices(devices: Any, accelerator: str | None) -> None:
     if devices == 0 or devices < -1:
         raise ConfigError(f"trainer.devices must be >= 1, -1 (all) or 'auto'; got {devices}")
     count = _device_count(accelerator)
+    if devices == -1 and accelerator == "cpu":
+        # Lightning's CPU accelerator takes no -1: a TypeError traceback ("should be an int > 0") after the model
+        # was loaded.
+        raise ConfigError(f"trainer.devices: -1 (all devices) is not accepted with the cpu accelerator; give a "
+                          f"number of processes from 1 to {count} (this machine's CPU cores) or 'auto' (1)")
     if devices > count:
         unit = "CPU cores" if accelerator == "cpu" else f"{accelerator} device(s)"
         raise ConfigError(f"trainer.devices: {devices} requested but this machine has {count} {unit}; "
@@ -134,22 +139,85 @@ def _check_length(max_steps: Any, max_epochs: Any) -> None:
         raise ConfigError(f"trainer.max_epochs must be >= 1, or -1 for no epoch limit; got {max_epochs}")
 
 
+def _processes_per_node(devices: Any, accelerator: str) -> int | None:
+    """How many processes Lightning starts per node for ``devices``, or ``None`` where this module cannot tell."""
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text != "auto":
+            try:
+                devices = int(text)
+            except ValueError:
+                return None  # "0,1" device indices: Lightning parses them
+    if devices is None or devices == "auto":
+        return 1 if accelerator == "cpu" else (_device_count(accelerator) if accelerator == "cuda" else None)
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        if devices == -1:
+            return _device_count(accelerator) if accelerator == "cuda" else None
+        return devices if devices >= 1 else None
+    return None
+
+
+def _check_model_parallel(strategy: Any, devices: Any, accelerator: str | None, num_nodes: Any) -> None:
+    """Refuses ``ModelParallelStrategy`` sizes that do not fit the run, before Lightning starts any process.
+
+    Lightning checks ``data_parallel_size * tensor_parallel_size == world size`` only inside every launched process,
+    after the model was loaded there (one ``RuntimeError`` traceback per rank); and peftplug shards over the
+    data-parallel dimension only, so a tensor-parallel size above 1 (``auto``: every device of a node) is refused
+    later anyway (:func:`peftplug.sharding.data_parallel_mesh`).
+    """
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if accelerator is None or not isinstance(strategy, ModelParallelStrategy):
+        return
+    per_node = _processes_per_node(devices, accelerator)
+    if per_node is None:
+        return
+    nodes = num_nodes if isinstance(num_nodes, int) and not isinstance(num_nodes, bool) and num_nodes >= 1 else None
+    data, tensor = strategy._data_parallel_size, strategy._tensor_parallel_size
+    if tensor == "auto":
+        tensor = per_node  # Lightning's resolution
+    if data == "auto":
+        data = nodes  # Lightning's resolution; None: unknown here
+    if not isinstance(tensor, int) or isinstance(tensor, bool) or not (
+            data is None or isinstance(data, int) and not isinstance(data, bool)):
+        return  # Lightning's own type checks
+    # With the node count unknown the world size is only known to be a multiple of the processes per node.
+    if data is None:
+        fits = True
+    else:
+        fits = data * tensor == per_node * nodes if nodes is not None else data * tensor % per_node == 0
+    if tensor != 1 or not fits:
+        data = "auto (trainer.num_nodes)" if data is None else data
+        world = (f"{per_node * nodes}" if nodes is not None else
+                 f"a multiple of {per_node}") + ": trainer.devices x trainer.num_nodes"
+        target = f"{per_node * nodes}" if nodes is not None else f"{per_node} on one node, the number of processes"
+        raise ConfigError(
+            f"trainer.strategy: ModelParallelStrategy got data_parallel_size {data} and tensor_parallel_size "
+            f"{tensor}, whose product must be the number of processes ({world}), and peftplug shards over the "
+            f"data-parallel dimension only; set data_parallel_size: {target} and tensor_parallel_size: 1")
+
+
 def check_trainer_settings(accelerator: Any = "auto", strategy: Any = "auto", devices: Any = "auto",
-                           max_steps: Any = -1, max_epochs: Any = None) -> None:
+                           max_steps: Any = -1, max_epochs: Any = None, num_nodes: Any = None) -> None:
     """Raises ``ConfigError`` for an accelerator, strategy or device count this machine cannot run, or a run
     length that trains nothing.
 
     Args:
         accelerator: ``trainer.accelerator`` (a name, or an ``Accelerator`` object, which is not checked).
-        strategy: ``trainer.strategy`` (a name, or a ``Strategy`` object, which is not checked).
+        strategy: ``trainer.strategy`` (a name; of the ``Strategy`` objects only a ``ModelParallelStrategy``'s
+            sizes are checked, against ``devices`` and ``num_nodes``).
         devices: ``trainer.devices`` (a number, ``-1``, ``'auto'``, or device indices).
         max_steps: ``trainer.max_steps`` (>= 1 or -1).
         max_epochs: ``trainer.max_epochs`` (>= 1, -1 or ``None``).
+        num_nodes: ``trainer.num_nodes`` (>= 1), or ``None`` when unknown (then sizes are checked per node only).
     """
     _check_length(max_steps, max_epochs)
     resolved = _resolve_accelerator(accelerator if accelerator is not None else "auto", _accelerators())
     _check_strategy(strategy, resolved)
     _check_devices(devices, resolved)
+    _check_model_parallel(strategy, devices, resolved, num_nodes)
 
 
 __all__ = ["check_trainer_settings"]
