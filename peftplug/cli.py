@@ -30,6 +30,7 @@ from peftplug.config_errors import (  # condense_argument_error, config_field: r
     _exception_chain,
     _section_of,
     check_root_dir,
+    check_trainer_values,
     class_path_error,
     condense_argument_error,
     config_field,
@@ -262,6 +263,8 @@ def _cli_classes():
                     self.subcommand = self.config.get("subcommand")  # what LightningCLI sets after parsing
                     self._check_peft()
             self._parse(parser, args)
+            self.subcommand = self.config.get("subcommand")  # (LightningCLI sets it after this; seeds before the check)
+            check_trainer_values(*(self._get(self.config, k, default=None) for k in ("trainer", "seed_everything")))
 
         def _parse(self, parser: Any, args: Any) -> None:
             """LightningCLI's parsing; a class path that cannot be imported is one line naming its field.

@@ -9,6 +9,7 @@ for ``torch.optim.AdamW``) with the class meant; :func:`check_root_dir` refuses 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -94,10 +95,17 @@ def _exception_chain(err: BaseException) -> Iterator[BaseException]:
 
 
 def _leaves(config: Any, prefix: str = "") -> dict[str, Any]:
-    """The dotted leaf keys and values of a jsonargparse Namespace (lists of objects as ``key[i].field``), only
-    those under ``prefix`` when it is given."""
+    """The dotted leaf keys and values of a jsonargparse Namespace (lists of objects as ``key[i].field``, dicts as
+    ``key.field``), only those under ``prefix`` when it is given."""
     flat: dict[str, Any] = {}
     for key, value in config.items():
+        if isinstance(value, dict) and value:
+            # A plain dict: `model.peft` in the dict form, or a class_path config jsonargparse kept as a dict (a value
+            # failed the class's types); PEFT's messages name its keys (`r`), which are leaves here too. The dict
+            # stays a leaf itself: it may be the (wrong) value of one setting (`betas: {a: 1}`).
+            flat[key] = value
+            flat.update({f"{key}.{sub}": leaf for sub, leaf in _leaves(value).items()})
+            continue
         items = value if isinstance(value, list) and any(hasattr(v, "items") for v in value) else None
         if items is None:
             flat[key] = value
@@ -110,18 +118,45 @@ def _leaves(config: Any, prefix: str = "") -> dict[str, Any]:
     return {k: v for k, v in flat.items() if k == prefix or k.startswith((prefix + ".", prefix + "["))}
 
 
+# How torch's optimizers and schedulers name their arguments in their ValueErrors ("Invalid learning rate: nan").
+_TORCH_WORDS = {"learning rate": "lr", "epsilon value": "eps", "momentum value": "momentum", "beta parameter": "betas",
+                "starting multiplicative factor": "start_factor", "ending multiplicative factor": "end_factor"}
+_NUMBER = r"-?\d+(?:\.\d+)?(?:e-?\d+)?|-?inf|nan"
+
+
 def _named_in(message: str, leaves: dict[str, Any]) -> str | None:
-    """The one leaf the message is about: named as an identifier (`` `x` ``, ``x=``, ``x must``) or, failing that,
-    quoted by value (``Invalid learning rate: -1.0``); ``None`` when that is not a single leaf."""
+    """The one leaf the message is about: named as an identifier (`` `x` ``, ``x=``, ``x must``, a leading ``x (`` or
+    ``x:``, a snake_case word, torch's words for its arguments) or, failing that, quoted by value (``Invalid learning rate:
+    -1.0``; the value after ``got`` first, as a range's bounds are numbers too); ``None`` when that is not a single
+    leaf."""
     names = set(re.findall(r"`(\w+)`", message)) | set(re.findall(r"\b(\w+)\s*=", message))
-    names |= set(re.findall(r"\b(\w+) (?:must|should)\b", message))
-    hits = [k for k in leaves if k.rsplit(".", 1)[-1] in names]
-    if len(hits) == 1:
-        return hits[0]
-    tokens = set(re.findall(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e-?\d+)?(?![\w.])", message))
-    hits = [k for k, v in leaves.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-            and {repr(v), repr(float(v))} & tokens]
-    return hits[0] if len(hits) == 1 else None
+    names |= set(re.findall(r"\b(\w+) (?:must|should)\b", message)) | set(re.findall(r"^(\w+)(?= \(|:)", message))
+    # Weaker: any snake_case word, torch's words; only when the identifiers above name no single leaf (a message
+    # about block_size may suggest another setting, e.g. exclude_modules).
+    weaker = set(re.findall(r"\b([A-Za-z]\w*_\w+)\b", message))
+    weaker |= {name for words, name in _TORCH_WORDS.items() if words in message.lower()}
+    for tier in (names, weaker):
+        tier = {n.lower() for n in tier}
+        hits = [k for k in leaves if k.rsplit(".", 1)[-1].lower() in tier]
+        if len(hits) == 1:
+            return hits[0]
+    got = re.search(r"\bgot:? (\S+?)[,;.)]?(?:\s|$)", message)
+    for text in ([got.group(1)] if got else []) + [message]:
+        tokens = set(re.findall(rf"(?<![\w.])(?:{_NUMBER})(?![\w.])", text))
+        hits = [k for k, v in leaves.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                and {repr(v), repr(float(v))} & tokens]
+        if hits:
+            return hits[0] if len(hits) == 1 else None
+    return None
+
+
+def _first_non_finite(kwargs: dict[str, Any]) -> tuple[str, Any] | None:
+    """The first keyword argument that is, or holds (``betas``), a NaN or infinite float, as ``(key, value)``."""
+    for key, value in kwargs.items():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in items):
+            return key, value
+    return None
 
 
 def config_field(config: Any, message: str, section: str = "", class_type: type | None = None) -> str:
@@ -196,8 +231,22 @@ class ConfigFieldInstantiator:
         except (ValueError, MisconfigurationException) as err:
             field = config_field(self.config(), str(err), class_type=class_type)
             raise ConfigError(f"{field or class_type.__name__}: {one_line(err)}") from err
+        self._check_finite(class_type, kwargs)  # after: a class's own check of the value says its range
         self._check_learning_rate(built, class_type)
         return built
+
+    def _check_finite(self, class_type: type, kwargs: dict[str, Any]) -> None:
+        """Refuses a NaN or infinite argument of an optimizer or LR scheduler: torch checks most of them with
+        ``0 <= x``, which ``inf`` passes (``lr``, ``weight_decay``) and NaN's comparisons skip (``start_factor``,
+        ``pct_start``); the run then trained with NaN or infinite updates, silently."""
+        import torch
+
+        kinds = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        found = _first_non_finite(kwargs) if isinstance(class_type, type) and issubclass(class_type, kinds) else None
+        if found is not None:
+            key, value = found
+            section = config_field(self.config(), "", class_type=class_type) or class_type.__name__
+            raise ConfigError(f"{section}.init_args.{key}: {key} must be a finite number, got {value!r}")
 
     def _check_learning_rate(self, built: Any, class_type: type) -> None:
         """Refuses an optimizer whose learning rate is 0 (torch accepts it; the run would train nothing)."""
@@ -297,6 +346,41 @@ def check_root_dir(trainer: Any, default_root: str = "runs") -> None:
         raise ConfigError(f"trainer.default_root_dir: cannot write in {str(existing)!r} (permissions or a read-only "
                           f"file system), where this run's config, logs and checkpoints go ({str(root)!r}); set "
                           "--trainer.default_root_dir to a writable folder")
+
+
+_TIMEDELTA_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds", "microseconds")
+
+
+def check_trainer_values(trainer: Any, seed: Any = None) -> None:
+    """Refuses trainer values that Lightning fails on with a traceback (not a message), before anything is built.
+
+    ``val_check_interval: 0`` and ``check_val_every_n_epoch: 0`` were a ``ZeroDivisionError`` in the training loop,
+    a ``val_check_interval`` or ``max_time`` dict with a key ``timedelta`` does not take a ``TypeError``, and a
+    negative ``seed_everything`` numpy's ``ValueError``.
+
+    Args:
+        trainer: The ``trainer`` section of the parsed config (``None``: only the seed is checked).
+        seed: The ``seed_everything`` setting (``None``, a bool or an int).
+
+    Raises:
+        ConfigError: Naming the field and the accepted values.
+    """
+    if seed is not None and not isinstance(seed, bool) and not (isinstance(seed, int) and 0 <= seed < 2**32):
+        raise ConfigError(f"seed_everything must be true/false or an int in [0, 2**32 - 1]; got {seed!r}")
+    get = trainer.get if hasattr(trainer, "get") else lambda key, default=None: default
+    interval = get("val_check_interval")
+    if isinstance(interval, (int, float)) and not isinstance(interval, bool) and not interval > 0:
+        raise ConfigError(f"trainer.val_check_interval must be an int >= 1 (batches) or a float in (0, 1] (a fraction "
+                          f"of the epoch); got {interval!r} (to skip validation set trainer.limit_val_batches: 0)")
+    every = get("check_val_every_n_epoch")
+    if every is not None and not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
+        raise ConfigError(f"trainer.check_val_every_n_epoch must be an int >= 1, or null to validate by "
+                          f"val_check_interval only; got {every!r}")
+    for key in ("val_check_interval", "max_time"):
+        value = get(key)
+        if isinstance(value, dict) and (not value or set(value) - set(_TIMEDELTA_KEYS)):
+            raise ConfigError(f"trainer.{key}: a duration dict takes the keys {', '.join(_TIMEDELTA_KEYS)}; "
+                              f"got {value!r}")
 
 
 # Where a class is looked for when a setting that takes one is given a bare name (`optimizer: adamw`): the modules,
@@ -466,6 +550,7 @@ def class_path_error(argv: list[str], configs: list[Any]) -> ConfigError | None:
     return None
 
 
-__all__ = ["CLASS_ALIASES", "CLASS_FIELDS", "ConfigFieldInstantiator", "check_root_dir", "class_candidates", "class_hint",
+__all__ = ["CLASS_ALIASES", "CLASS_FIELDS", "ConfigFieldInstantiator", "check_root_dir", "check_trainer_values",
+           "class_candidates", "class_hint",
            "class_path_error", "condense_argument_error", "config_field", "config_paths", "explain_bare_class_name",
            "given_class_paths", "read_yaml_mapping", "required_hint"]

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import importlib
 import inspect
+import math
 import re
 import types
 import typing
@@ -135,6 +137,8 @@ def _fits(value: Any, annotation: Any) -> bool:
         # PEFT spells some open families as one placeholder ('pissa_niter_[number of iters]'): its prefix counts.
         return value in args or (isinstance(value, str) and any(
             isinstance(a, str) and "[" in a and value.startswith(a.split("[")[0]) for a in args))
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return isinstance(value, annotation) or value in [m.value for m in annotation]
     if annotation is bool:
         return isinstance(value, bool)
     if annotation is int:
@@ -157,7 +161,10 @@ def _fits(value: Any, annotation: Any) -> bool:
 
 def _type_name(annotation: Any) -> str:
     """A readable annotation: ``int``, ``list[str] | str | None``."""
-    return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+    if isinstance(annotation, type):
+        return annotation.__name__
+    # Classes by their own names: `Union[PromptTuningInit, str]`, not `peft.tuners.prompt_tuning.config.Prompt...`.
+    return re.sub(r"\b(?:[a-z_]\w*\.)+(?=[A-Za-z_]\w*)", "", str(annotation))
 
 
 def check_init_types(cls: type, values: dict, field: str) -> None:
@@ -189,6 +196,84 @@ def check_init_types(cls: type, values: dict, field: str) -> None:
                               f"{value!r}")
 
 
+# PEFT annotates the scales it only divides by as int (lora_alpha, LoHa/LoKr alpha): a float is fine there. Any other
+# int field sizes a tensor or counts something: `r: 1.5` or `num_virtual_tokens: .nan` was a TypeError from torch.
+_FLOAT_OK_INT_FIELD = re.compile(r"alpha|lambda")
+# Enum-valued fields whose strings PEFT compares with the members' values: another string silently took the last
+# branch (`prompt_tuning_init: sample_vocab`, lower case, gave a random init). peft_type and task_type are checked
+# where the config is built (peftplug.loading), with their own messages.
+_CHECKED_ELSEWHERE = ("peft_type", "task_type")
+
+
+def _enum_class(annotation: Any) -> type[enum.Enum] | None:
+    """The Enum class an annotation (or one member of its union) names, else ``None``."""
+    for arg in (typing.get_args(annotation) or (annotation,)):
+        if isinstance(arg, type) and issubclass(arg, enum.Enum):
+            return arg
+    return None
+
+
+def _wants_int(annotation: Any) -> bool:
+    """Whether an annotation takes ``int`` and not ``float`` (``int``, ``int | None``)."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    kinds = set(args or (annotation,))
+    return int in kinds and float not in kinds
+
+
+def check_init_values(cls: type, values: dict, field: str) -> None:
+    """Refuses values of the right type that no PEFT config can use, in one line naming the field and the accepted
+    values: PEFT does not check them, and each either failed deep in the layers or trained a wrong adapter silently.
+    Classes outside PEFT (``oftv2``, ``prompt_transfer``, ``steering``) are left to their own checks.
+
+    - a NaN or infinite number (``lora_alpha: .inf`` made every LoRA output NaN);
+    - a float where an int is annotated (``r: 1.5``), except the ``alpha``/``lambda`` scales PEFT only divides by;
+    - a dropout probability outside [0, 1] (PEFT used no dropout for a negative one, silently);
+    - ``num_virtual_tokens`` below 1 (a prompt of 0 tokens trains nothing), ``lora_alpha`` 0 (scales the adapter's
+      output, and so its gradients, to 0);
+    - a string not among the values of an Enum-typed field (``prompt_tuning_init: sample_vocab``).
+
+    Args:
+        cls: The config class (a dataclass; other classes are not checked).
+        values: The settings given for it.
+        field: Where they are configured (``model.peft.init_args``).
+
+    Raises:
+        ConfigError: For the first value that cannot be used.
+    """
+    from peftplug.validation import check_int, check_real
+
+    # Only PEFT's own configs: peftplug's (OFTv2, PCT, steering) check their values themselves, with their ranges.
+    if not dataclasses.is_dataclass(cls) or not cls.__module__.startswith("peft."):
+        return
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001  (an annotation that does not resolve: leave the check to the class)
+        hints = {}
+    for key, value in values.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        try:
+            if number and not math.isfinite(value):
+                raise ValueError(f"{key} must be a finite number, got {value!r}")
+            if isinstance(value, float) and _wants_int(hints.get(key)) and not _FLOAT_OK_INT_FIELD.search(key):
+                raise ValueError(f"{key} must be an int, got {value!r}")
+            if number and key.endswith(("dropout", "dropout_p")):
+                check_real(key, value, 0.0, 1.0, hint="a probability")
+            if key == "num_virtual_tokens" and value is not None:
+                check_int(key, value, low=1, hint="the soft prompt's length")
+            if key == "lora_alpha" and number and value == 0:
+                raise ValueError("lora_alpha must not be 0 (it scales the adapter's output: 0 would train nothing)")
+            choices = _enum_class(hints.get(key)) if key not in _CHECKED_ELSEWHERE else None
+            if choices is not None and isinstance(value, str) and not isinstance(value, enum.Enum):
+                accepted = [str(m.value) for m in choices]
+                if value not in accepted:
+                    same = [a for a in accepted if a.lower() == value.lower()]  # PEFT compares case-sensitively
+                    suggestion = f"; did you mean {same[0]!r}?" if same else hint(value, accepted)
+                    raise ValueError(f"{key} must be one of {', '.join(map(repr, accepted))}, got {value!r}"
+                                     f"{suggestion}")
+        except ValueError as err:
+            raise ConfigError(f"{field}.{key}: {err}") from None
+
+
 def check_peft_spec(spec: Any, field: str = "model.peft") -> None:
     """Checks the names in a ``model.peft`` dict: the ``class_path`` and its ``init_args`` keys, or the
     ``peft_type`` config's keys (an ``adapter_config.json``'s bookkeeping keys are allowed).
@@ -199,8 +284,15 @@ def check_peft_spec(spec: Any, field: str = "model.peft") -> None:
 
     Raises:
         ConfigError: For a class that cannot be imported, a key its config class does not have, or a value that
-            does not fit its field's type.
+            does not fit its field's type or that no config can use (:func:`check_init_values`).
     """
+    if hasattr(spec, "as_dict") and not isinstance(spec, dict):
+        # A class_path config that jsonargparse parsed (a Namespace): it checked the names and types, not the values.
+        spec = spec.as_dict()
+        if isinstance(spec.get("class_path"), str):
+            cls = import_class(spec["class_path"], f"{field}.class_path")
+            check_init_values(cls, dict(spec.get("init_args") or {}), f"{field}.init_args")
+        return
     if not isinstance(spec, dict):
         return
     if "class_path" in spec:
@@ -210,6 +302,7 @@ def check_peft_spec(spec: Any, field: str = "model.peft") -> None:
             raise ConfigError(f"{field}.{min(unknown)}: a class_path config takes its settings under init_args")
         check_init_args(cls, dict(spec.get("init_args") or {}), f"{field}.init_args")
         check_init_types(cls, dict(spec.get("init_args") or {}), f"{field}.init_args")
+        check_init_values(cls, dict(spec.get("init_args") or {}), f"{field}.init_args")
     elif "peft_type" in spec:
         from peftplug.methods import peft_config_classes
 
@@ -224,6 +317,7 @@ def check_peft_spec(spec: Any, field: str = "model.peft") -> None:
         if peft_type in known and not spec.get("peft_version"):
             check_init_args(known[peft_type], [k for k in spec if k not in SAVED_BOOKKEEPING], field)
             check_init_types(known[peft_type], {k: v for k, v in spec.items() if k not in SAVED_BOOKKEEPING}, field)
+            check_init_values(known[peft_type], {k: v for k, v in spec.items() if k not in SAVED_BOOKKEEPING}, field)
 
 
 def _public_path(cls: type) -> str:
@@ -329,8 +423,8 @@ def suggest(message: str, keys: Iterable[str] = (), options: Iterable[str] = ())
     return message
 
 
-__all__ = ["SAVED_BOOKKEEPING", "accepted_names", "check_init_args", "check_peft_spec", "closest", "given_peft_class_path", "hint",
-           "import_class", "saved_config_extras", "suggest"]
+__all__ = ["SAVED_BOOKKEEPING", "accepted_names", "check_init_args", "check_init_values", "check_peft_spec", "closest",
+           "given_peft_class_path", "hint", "import_class", "saved_config_extras", "suggest"]
 
 
 def given_peft_class_path(argv: Iterable[str]) -> str | None:

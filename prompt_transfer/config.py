@@ -75,6 +75,11 @@ class PCTConfig(PromptLearningConfig):
         if self.fusion == "mean" and not self.trainable_residual:
             raise ValueError("fusion='mean' with trainable_residual=False leaves nothing to train; "
                              "set trainable_residual=True or fusion='attention'")
+        # Types first: a float or NaN here was reported as a mismatch with the decomposition (`num_sources=inf does
+        # not match ... (K=2)`), or reached torch.empty as a TypeError.
+        for name in ("num_sources", "num_virtual_tokens"):
+            if getattr(self, name) is not None:
+                setattr(self, name, python_number(check_int(name, getattr(self, name), low=1)))
         # A saved adapter (inference_mode, as PEFT saves and loads it) holds P_0 and S_k itself: the folder at its
         # decomposition_path may since hold another decomposition, which must not stop it from loading.
         meta = None if self.inference_mode and self.num_sources is not None else self._read_decomposition_meta()
@@ -115,6 +120,13 @@ class PCTConfig(PromptLearningConfig):
             return None
         meta_file = os.path.join(self.decomposition_path, "decomposition.json")
         if not os.path.isfile(meta_file):
+            if os.path.isdir(self.decomposition_path) and not self.inference_mode:
+                # A new adapter reads the sources from that folder when it is built: another folder (the sources'
+                # run folder, its parent) was a FileNotFoundError traceback there.
+                raise ValueError(
+                    f"decomposition_path {self.decomposition_path!r} is a folder without decomposition.json: not a "
+                    "PCT decomposition (give the folder that `peftplug pct decompose --out` or the source stage wrote)"
+                )
             # Loading a saved adapter whose decomposition directory is gone is fine: the adapter holds the tensors.
             return None
         with open(meta_file) as f:
