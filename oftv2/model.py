@@ -13,6 +13,7 @@ from peft.utils import TRANSFORMERS_MODELS_TO_OFT_TARGET_MODULES_MAPPING
 from torch import nn
 
 from peftplug.adapter_params import UpgradesLegacyKeys
+from peftplug.quantized_layout import keep_exact_4bit_layout
 
 from .config import OFTv2Config
 from .conv import dispatch_conv2d
@@ -107,6 +108,11 @@ class OFTv2Model(UpgradesLegacyKeys, BaseTuner):
         """
         # Before anything is replaced: a refusal must leave the model as it was.
         check_expert_targets(model, self.peft_config[adapter_name])
+        # Every 4-bit layer, not only those adapted below: bitsandbytes' in-place CPU repacking (at the first eval
+        # forward on AVX512-BF16 CPUs) gives a matmul without autograd, so an unadapted 4-bit layer after an adapted
+        # one would stop its gradient (q_proj's rotation, reached only through o_proj, trained no more after an
+        # evaluation of a base TRL loaded via model_init_kwargs). A model already repacked is refused in one line.
+        keep_exact_4bit_layout(model)
         try:
             super().inject_adapter(model, adapter_name, *args, **kwargs)
         except ValueError as err:
