@@ -13,21 +13,12 @@ from __future__ import annotations
 
 import lightning
 import pytest
-import torch
 from tiny_recipes import causal_recipe
 
 from peftplug.cli import cli
 from peftplug.errors import CheckpointError
 
 ROWS = [{"prompt": f"Q{i}: add {i} and {i}?", "response": f" {2 * i}"} for i in range(12)]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _recipe(root, **kwargs):

@@ -72,14 +72,6 @@ def assert_same_adapter(full, resumed) -> dict[str, torch.Tensor]:
     return want
 
 
-@pytest.fixture(autouse=True)
-def _fixed_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def _sigint_default():
     """SIGINT as an interactive shell leaves it (a background shell starts its jobs with it ignored, and an ignored
