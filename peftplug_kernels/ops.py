@@ -142,12 +142,34 @@ def _check_rotation(width: int, rotation: torch.Tensor) -> None:
     if len(shape) != 3 or shape[1] != shape[2]:
         raise ValueError(f"rotation must be [n_blocks, b, b], got {tuple(shape)}")
     n_blocks, b = shape[0], shape[1]
+    if b < 1:  # (a [n, 0, 0] rotation was a ZeroDivisionError from the modulo below)
+        raise ValueError(f"rotation blocks must be at least 1 x 1, got {tuple(shape)}")
     if width % b != 0:
         raise ValueError(f"input width {width} is not a multiple of the block size {b}")
     # ``!=`` twice, not ``not in (1, width // b)``: dynamo evaluates ``in`` over a tuple holding a symbolic width as
     # False, which refused every valid input under torch.compile(dynamic=True) (block_rotate/reference.py too).
     if n_blocks != 1 and n_blocks != width // b:
         raise ValueError(f"{n_blocks} rotation blocks do not fit input width {width} with block size {b}")
+
+
+def _check_packed(weight: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Refuses a packed 4-bit weight with fewer bytes than ``shape`` needs (two codes per byte).
+
+    The Triton kernels index the packed bytes from ``quant_state.shape`` without bounds, so a weight that does not
+    belong to the state (another layer's, a shard) read past its end silently, where the torch path raised.
+
+    Args:
+        weight: The packed weight (``Params4bit`` data, any ``quant_storage`` dtype).
+        shape: ``(out, in)`` of its quant state.
+
+    Raises:
+        ValueError: When the weight holds fewer bytes than ``shape`` needs.
+    """
+    needed = (shape[0] * shape[1] + 1) // 2
+    held = weight.numel() * weight.element_size()  # any quant_storage dtype: its bytes
+    if held < needed:
+        raise ValueError(f"weight holds {held} packed bytes, but quant_state.shape {tuple(shape)} needs {needed} "
+                         "(a 4-bit weight with another layer's quant state?)")
 
 
 def block_rotate(x: torch.Tensor, rotation: torch.Tensor, impl: str = "auto") -> torch.Tensor:
@@ -190,6 +212,9 @@ def cayley_rotate(
         keep: ``None``, or a ``[n_blocks, 1, 1]`` 0/1 mask in ``q_vec``'s dtype (block dropout: 0 means ``R = I``).
         cayley_impl: Implementation of the series (see module docstring).
         rotate_impl: Implementation of the rotation.
+
+    Raises:
+        ValueError: When the blocks do not tile the width, or ``keep`` is not ``[n_blocks, 1, 1]``.
     """
     width = x.shape[-1]
     rows = q_vec.shape[0]
@@ -198,6 +223,11 @@ def cayley_rotate(
         raise ValueError(
             f"{rows} blocks of size {block_size} do not fit input width {width} (rows must be 1 or width / block_size)"
         )
+    # A [n_blocks] mask broadcast over the blocks' last dimension instead (silently wrong when n_blocks == b).
+    if keep is not None and (keep.dim() != 3 or keep.shape[0] != width // block_size or keep.shape[1] != 1
+                             or keep.shape[2] != 1):
+        raise ValueError(f"keep must be None or a [{width // block_size}, 1, 1] 0/1 mask (one per block of the "
+                         f"width), got {tuple(keep.shape)}")
     # (A 1-wide block has no triangle, R = I: the composed references handle it, the Function's tables do not.)
     if cayley_impl == "torch" and rotate_impl == "torch" and _lean.supports(form, terms) and block_size >= 2:
         if q_vec.dim() != 2 or q_vec.shape[-1] != _cn_ref.triangle_size(block_size):
@@ -230,11 +260,19 @@ def nf4_rotate_matmul(
 
     Returns:
         ``[..., out]`` in ``x``'s dtype.
+
+    Raises:
+        ValueError: For a state, rotation, bias or packed weight that does not fit ``x`` and each other, or
+            ``impl="triton"`` on a layer the fused kernels do not take (``fit.w4a16_unfit``).
     """
     shape = tuple(quant_state.shape)
     if len(shape) != 2 or shape[1] != x.shape[-1]:
         raise ValueError(f"quant_state.shape {shape} does not match input width {x.shape[-1]}")
     _check_rotation(x.shape[-1], rotation)
+    _check_packed(weight, shape)
+    # The kernels read bias[:out] unchecked: a shorter bias read past its end, where the torch path raised.
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != shape[0]):
+        raise ValueError(f"bias must be None or [{shape[0]}] (one per output feature), got {tuple(bias.shape)}")
     tensors = (x, rotation, weight) + (() if bias is None else (bias,))
     # One rule for the fused kernels (fit.py; tabled in docs/kernels.md): auto leaves the other layers unfused,
     # forcing the fused kernel there is a one-line error.
@@ -276,6 +314,7 @@ def dequantize_4bit(weight: torch.Tensor, quant_state, dtype: torch.dtype | None
     """
     if len(tuple(quant_state.shape)) != 2:
         raise ValueError(f"quant_state.shape must be (out, in), got {tuple(quant_state.shape)}")
+    _check_packed(weight, tuple(quant_state.shape))
     if _resolved(impl, "nf4_dequantize", weight) == "triton":
         return library.dequantize_4bit(weight, quant_state, dtype)
     return _deq_ref.dequantize_4bit(weight, quant_state, dtype)
