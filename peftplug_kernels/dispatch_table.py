@@ -185,7 +185,10 @@ def evidence(op: str, device: torch.device | str) -> str:
     if op == "fused_nf4_max_tokens":
         return _entry(device).fused_evidence
     _check("op", op, OPS)
-    return _entry(device).choices[op].evidence
+    choice = _entry(device).choices.get(op)
+    if choice is None:  # a hand-built entry that left an op out, as kernel_choice says
+        raise ValueError(f"the dispatch table's entry {device_kind(device)!r} has no choice for op {op!r}")
+    return choice.evidence
 
 
 def _check_kind(kind: str) -> None:
@@ -239,10 +242,12 @@ def add_device_kind(kind: str, like: str = "cuda") -> None:
         like: Existing kind to copy.
 
     Raises:
-        ValueError: For a malformed kind or an unknown ``like``.
+        ValueError: For a malformed kind, one already in the table, or an unknown ``like``.
     """
     if not (kind.startswith("cuda:sm_") and kind[len("cuda:sm_"):].isdigit()):
         raise ValueError(f"kind must look like 'cuda:sm_80' (a CUDA compute capability), got {kind!r}")
     _check_kind(like)
+    if kind in TABLE:  # ("cuda:sm_90" holds the H200's measurements: copying "cuda" over it dropped them silently)
+        raise ValueError(f"device kind {kind!r} is already in the table; override its ops with set_choice")
     TABLE[kind] = TABLE[like]
     _changed()
