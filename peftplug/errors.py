@@ -8,6 +8,7 @@ through one error boundary, :func:`run_command`. Programming errors are never wr
 from __future__ import annotations
 
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -75,6 +76,21 @@ def debug_requested(argv: Sequence[str]) -> tuple[list[str], bool]:
     return argv, debug or os.environ.get(DEBUG_ENV, "").strip() not in ("", "0", "false", "False")
 
 
+def _lightning_setting(err: ValueError) -> str | None:
+    """The Trainer setting a ``ValueError`` raised inside Lightning's loops is about (its message opens with it in
+    backquotes, as Lightning writes them), else ``None``.
+
+    Args:
+        err: The exception that ended the command.
+    """
+    found = re.match(r"\s*`(\w+)`", str(err))
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = tb.tb_frame.f_code.co_filename if tb is not None else ""
+    return found.group(1) if found and f"{os.sep}lightning{os.sep}pytorch{os.sep}" in where else None
+
+
 def _peer_failed(err: BaseException) -> bool:
     """Whether ``err`` says another process of an initialized multi-process group went away.
 
@@ -113,6 +129,14 @@ def run_command(prog: str, command: Callable[[list[str]], int | None], argv: Seq
         if debug:
             traceback.print_exception(err, file=sys.stderr)
         print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
+        return 2
+    except ValueError as err:
+        name = None if debug else _lightning_setting(err)
+        if name is None:
+            raise
+        # Lightning's check of a Trainer setting against the data (`val_check_interval` (100) must be less than or
+        # equal to the number of the training batches (3)...): its message is the whole answer, its traceback noise.
+        print(f"{prog}: error: trainer.{name}: {one_line(err)}", file=sys.stderr, flush=True)
         return 2
     except RuntimeError as err:  # (torch's DistBackendError is one)
         if debug or not _peer_failed(err):
