@@ -183,6 +183,7 @@ class TokenizedDataModule(L.LightningDataModule):
         """
         if split not in self.splits:
             raise DataError(f"no {split} data configured")
+        self._check_positions(split)
         if not shuffle:
             rows, ranks = self.splits[split], self._eval_ranks()
             # Sharded here, not by Lightning, whose padding repeats would be counted (see the module docstring).
@@ -198,6 +199,31 @@ class TokenizedDataModule(L.LightningDataModule):
             num_workers=self.num_workers, collate_fn=collate or self.collate,
             generator=torch.Generator().manual_seed(self.seed), epoch_batches=self._epoch_batches,
         )
+
+    def _check_positions(self, split: str) -> None:
+        """Refuses rows longer than the model's learned position table (BERT's and MiniLM's 512, GPT-2's 1024), which
+        stopped the first long batch with torch's ``IndexError: index out of range in self`` from the embedding.
+
+        Args:
+            split: The split about to be loaded.
+        """
+        model = getattr(self._module(), "model", None)
+        if not isinstance(model, torch.nn.Module) or not self.splits[split]:
+            return
+        table = next(((name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding)
+                      and name.rpartition(".")[2] in ("position_embeddings", "wpe", "embed_positions")), None)
+        if table is None:  # rotary or relative positions: no table to run past
+            return
+        config = getattr(model, "peft_config", {}).get(getattr(model, "active_adapter", None))
+        virtual = getattr(config, "num_virtual_tokens", 0) or 0  # prompt learning puts its tokens before the row
+        limit = table[1].num_embeddings - getattr(table[1], "offset", 0)  # (OPT's table starts 2 positions in)
+        longest = max(len(row.get("input_ids") or ()) for row in self.splits[split])
+        if longest + virtual > limit:
+            raise DataError(
+                f"the {split} split has rows of {longest} tokens{f' + {virtual} virtual' if virtual else ''}, but "
+                f"the model's learned position table ({table[0]}) holds {limit} positions: set data.max_length to "
+                f"{limit - virtual} or less"
+            )
 
     def _eval_ranks(self) -> dict[str, int] | None:
         """``num_replicas`` and ``rank`` to shard evaluation over, or ``None`` on one rank (or when Lightning is
