@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,10 @@ logger = logging.getLogger(__name__)
 
 # Keys of the adapter state written by save_pretrained (PEFT stores prompt-learning state without adapter names).
 STATE_KEYS = ("pct_p0", "pct_specific", "pct_query", "pct_key_offsets", "pct_residual")
+
+#: The live encoder built from each config object, by ``id(config)`` (an entry holds its config, so the id stays
+#: unique while the entry lives; it goes with the encoder). See ``PCTPromptEncoder.__init__``.
+_ENCODER_OF_CONFIG: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 class PCTFusion(torch.nn.Module):
@@ -147,7 +152,15 @@ class PCTPromptEncoder(BasePromptEncoder):
         )
         path = config.decomposition_path
         self.embedding.decomposition_path = path
-        if path is not None:
+        sibling = _ENCODER_OF_CONFIG.get(id(config))
+        if sibling is not None and sibling.config is config and sibling.embedding.loaded:
+            # An adapter added with the very config of a live one is a copy of it: TRL's DPO/KTO reference
+            # (`ref_model=None` on a PeftModel) is `add_adapter("ref", peft_config["default"])` plus a copy of the
+            # *parameters*. P_0 and S_k are buffers, so they were read from the folder again: a decomposition saved
+            # there since made the reference silently differ from the policy, and a folder gone (a resumed or loaded
+            # adapter) failed at the reference's first forward. Take them from the adapter the config describes.
+            self.embedding.set_sources(sibling.embedding.p0, sibling.embedding.specific)
+        elif path is not None:
             import os
 
             # Not for a saved adapter being loaded (inference_mode): its own P_0 and S_k are loaded over the sources,
@@ -177,6 +190,17 @@ class PCTPromptEncoder(BasePromptEncoder):
             elif not config.inference_mode:  # (a missing folder, for training: the state must come from a load)
                 logger.info("decomposition %s not found; expecting a saved PCT state to be loaded", path)
         self.source_names = list(config.source_names or [f"source_{i}" for i in range(config.num_sources)])
+        _ENCODER_OF_CONFIG[id(config)] = self
+
+    def __setstate__(self, state: dict) -> None:
+        """``nn.Module``'s, then registers the copy (``copy.deepcopy``, unpickling) for adapters added with its config.
+
+        Args:
+            state: The module's ``__dict__``.
+        """
+        super().__setstate__(state)
+        if "config" in self.__dict__:
+            _ENCODER_OF_CONFIG[id(self.config)] = self
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         """Returns the prompt rows selected by ``indices`` (``[batch, n]`` -> ``[batch, n, d]``).

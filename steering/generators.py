@@ -30,6 +30,7 @@ from steering.config import TRAINABLE_POSITIONS, check_trainable_positions
 from steering.easyedit_data import TokenizedPairs, caa_rows, is_rows, vector_prompt_rows
 from steering.families import find_blocks
 from steering.layer import SteeringLayer, check_no_zero_ablation
+from steering.model import refuse_training_on_repacked_4bit
 from steering.padding import pad_sequences, pad_token_id
 
 METHODS = ("caa", "pca_diff", "pca_center", "vector_prompt", "trainable")
@@ -411,6 +412,7 @@ def train_vectors(
     check_no_zero_ablation(peft_model.modules(), names)  # (SteeringModel.train's check: this loop runs in eval mode)
     for p in params:
         p.requires_grad_(True)
+    refuse_training_on_repacked_4bit(peft_model)  # (the same: a repacked 4-bit layer passes no gradient back)
     optimizer = torch.optim.Adam(params, lr=lr)
     gen = torch.Generator().manual_seed(seed)
     device = _device(peft_model)

@@ -13,6 +13,12 @@ from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
 from peftplug.adapter_params import UpgradesLegacyKeys
+from peftplug.quantized_layout import (
+    RepackedWeightError,
+    keep_exact_4bit_layout,
+    repacked_layers,
+    repacked_message,
+)
 from steering.config import SteeringConfig, check_trainable_positions
 from steering.families import FAMILIES, find_blocks, hidden_size_of, merge_target
 from steering.layer import SteeringLayer, bias_dtype, check_no_zero_ablation
@@ -144,6 +150,12 @@ class SteeringModel(UpgradesLegacyKeys, BaseTuner):
         """
         super().inject_adapter(model, adapter_name, *args, **kwargs)
         self._post_injection_hook(model, self.peft_config[adapter_name], adapter_name)
+        # bitsandbytes repacks a 4-bit layer in place at its first eval forward without gradients on AVX512-BF16
+        # CPUs, and the repacked matmul has no autograd: after one evaluate() (or train_vectors' no-grad reference
+        # forward) a vector's gradient lost every path through the later blocks, silently. A base repacked already
+        # (a CAA pass before the adapter was attached) still steers at inference; training it is refused instead.
+        if not repacked_layers(model):
+            keep_exact_4bit_layout(model)
 
     def train(self, mode: bool = True) -> SteeringModel:
         """``nn.Module.train``, refusing first to train a vector whose ``positions`` no training forward can express.
@@ -165,6 +177,7 @@ class SteeringModel(UpgradesLegacyKeys, BaseTuner):
                     if name in layer.active_adapters and param.requires_grad:
                         check_trainable_positions(layer.steer_positions[name], f"adapter {name!r} put in training mode")
             check_no_zero_ablation(self.model.modules(), trainable_only=True)
+            refuse_training_on_repacked_4bit(self.model)
         return super().train(mode)
 
     def _check_steering_merge(self, adapter_names: list[str] | None) -> None:
@@ -475,3 +488,24 @@ def steering_model_of(model) -> SteeringModel:
     if isinstance(base, SteeringModel):
         return base
     raise TypeError(f"expected a PeftModel with a steering adapter, got {type(model).__name__}")
+
+
+def refuse_training_on_repacked_4bit(model: nn.Module) -> None:
+    """Raises if a steering vector would train through 4-bit layers that bitsandbytes repacked for CPU inference.
+
+    The repacked matmul has no autograd, so the vector's gradient would miss every path through those layers (no
+    error, just a wrong gradient). Only a base repacked before the adapter was attached gets here: the injection
+    switches the repacking off otherwise.
+
+    Args:
+        model: The steered model (or any module holding its steering layers).
+
+    Raises:
+        RepackedWeightError: If a trainable steering vector is active and a 4-bit layer is repacked.
+    """
+    trainable = any(param.requires_grad and name in layer.active_adapters
+                    for layer in model.modules() if isinstance(layer, SteeringLayer)
+                    for name, param in layer.steer_vector.parameter_items())
+    names = repacked_layers(model) if trainable else []
+    if names:
+        raise RepackedWeightError(f"cannot train a steering vector: {repacked_message(names)}")
