@@ -145,7 +145,7 @@ def _cli_classes():
     from peftplug.checkpoint_io import install_atomic_checkpoint_io
     from peftplug.interrupt import GracefulInterrupt
     from peftplug.lightning import PeftModule
-    from peftplug.predictions import check_predict_output, check_runs_batches, emit_predictions
+    from peftplug.predictions import check_predict_output, check_runs_batches, predict_and_emit
     from peftplug.trainer_checks import check_trainer_settings
 
     class SafeSaveConfigCallback(SaveConfigCallback):
@@ -429,11 +429,8 @@ def _cli_classes():
             Args:
                 **kwargs: Passed to ``Trainer.predict``.
             """
-            batches = self.trainer.predict(**{**kwargs, "return_predictions": True})
             path = self._get(self.config, "predictions_file", default=None)
-            count = emit_predictions(batches, self.datamodule, path)
-            if path is not None:
-                print(f"peftplug: wrote {count} predictions to {path}", file=sys.stderr, flush=True)
+            predict_and_emit(self.trainer, kwargs, self.datamodule, path)
 
         def before_fit(self) -> None:
             """Tests on the held-out split first when ``--evaluate_before_fit`` is set (reported after fit)."""

@@ -238,6 +238,8 @@ def chat_loop(generator: Generator, max_new_tokens: int, temperature: float, std
 
     When the conversation outgrows the model's position table, its oldest exchanges are dropped (and the session
     says how many) until the new message fits; a message too long by itself is refused, and the session goes on.
+    Ctrl-C while an answer is generated drops that message (the session goes on); Ctrl-C at the prompt ends the
+    session, as Ctrl-D does.
 
     Args:
         generator: The model to chat with.
@@ -251,7 +253,10 @@ def chat_loop(generator: Generator, max_new_tokens: int, temperature: float, std
     while True:
         stdout.write("you> ")
         stdout.flush()
-        line = stdin.readline()
+        try:
+            line = stdin.readline()
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: the usual way out of a terminal program; was a traceback
+            line = ""
         if not line or line.strip().lower() in _EXIT_WORDS:
             stdout.write("\n")
             return
@@ -272,6 +277,9 @@ def chat_loop(generator: Generator, max_new_tokens: int, temperature: float, std
                 failure = str(err)
             except ConfigError as err:
                 failure = str(err)
+            except KeyboardInterrupt:  # Ctrl-C on a long answer: stop it, not the session (was a traceback)
+                stdout.write("\n")
+                failure = "answer interrupted (Ctrl-C); the conversation goes on without that message"
             history = earlier  # keep the session as it was, without the message that could not be answered
             stdout.write(f"peftplug: {failure}\n")
             stdout.flush()
@@ -296,7 +304,7 @@ def chat_main(argv: Sequence[str]) -> int:
     args = _parser("peftplug chat", chat=True).parse_args(list(argv))
     check_sampling(args.max_new_tokens, args.temperature)  # before the model loads, not at the first message
     generator = Generator(args.ckpt_path, args.model, args.system)
-    print("peftplug chat: type a message; 'exit' or Ctrl-D ends.", flush=True)
+    print("peftplug chat: type a message; 'exit', Ctrl-D or Ctrl-C ends.", flush=True)
     if generator.plain:  # encode() sends the last message alone: say so, rather than seem to keep the conversation
         print("peftplug chat: this checkpoint was trained on plain prompt/response rows, without a chat template: "
               "each message is answered on its own, without the conversation before it.", flush=True)

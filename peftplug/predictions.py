@@ -9,8 +9,10 @@ previous file or none). Lightning's own ``trainer.predict`` returned them to nob
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +133,23 @@ def emit_predictions(batches: list[Any] | None, datamodule: Any, path: str | os.
     else:
         atomic_write(Path(path).expanduser(), lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     return len(records)
+
+
+def predict_and_emit(trainer: Any, kwargs: dict[str, Any], datamodule: Any, path: str | os.PathLike | None) -> int:
+    """Runs ``trainer.predict`` and prints (or writes) its predictions (:func:`emit_predictions`); returns their count.
+
+    Standard output carries the JSON lines only: the progress bar (Lightning's Rich bar, a ``TQDMProgressBar``) is
+    sent to standard error while predicting (``peftplug predict ... > preds.jsonl`` began with ``Predicting ━━━``).
+
+    Args:
+        trainer: The ``lightning.pytorch.Trainer``.
+        kwargs: Passed to ``Trainer.predict`` (``return_predictions`` is set).
+        datamodule: The data module (its label names, if any).
+        path: Where to write them (``None``: standard output).
+    """
+    with contextlib.redirect_stdout(sys.stderr):
+        batches = trainer.predict(**{**kwargs, "return_predictions": True})
+    count = emit_predictions(batches, datamodule, path)
+    if path is not None:
+        print(f"peftplug: wrote {count} predictions to {path}", file=sys.stderr, flush=True)
+    return count
