@@ -7,7 +7,6 @@ zeroth-order one (manual optimization, see :meth:`PeftModule.training_step`). Ch
 
 from __future__ import annotations
 
-import enum
 import math
 import os
 from pathlib import Path
@@ -37,9 +36,9 @@ from peftplug.loading import (
     check_choice,
     load_model,
     load_tokenizer,
-    peft_config_to_dict,
 )
 from peftplug.model_checks import check_tokenizer_fits
+from peftplug.module_args import check_adapter_target, check_factories, own_peft_spec, peft_hparams
 from peftplug.nonfinite_steps import SkipsNonFiniteSteps
 from peftplug.parameter_report import parameter_report
 from peftplug.peft_type_support import check_peft_type_support
@@ -100,7 +99,8 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
         dtype: ``float32``, ``bfloat16`` or ``float16`` for the base weights.
         num_labels: Number of classes for ``seq_cls``.
         tokenizer: Tokenizer name or path; defaults to the model's. Data modules without a tokenizer use this one.
-        optimizer: Callable that builds the optimizer from the trainable parameters; default AdamW(lr=1e-4).
+        optimizer: Callable that builds the optimizer from the trainable parameters, given as ``(name, parameter)``
+            pairs (torch optimizers take them); default AdamW(lr=1e-4).
         lr_scheduler: Callable that builds an LR scheduler from the optimizer.
         lr_scheduler_interval: ``step`` or ``epoch`` (first-order training; zeroth-order steps it per step).
         max_new_tokens: Tokens generated per prompt by ``predict`` for language models.
@@ -136,6 +136,7 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
         check_choice("model.fsdp_mixed_precision", fsdp_mixed_precision, FSDP_MIXED_PRECISIONS)
         if max_new_tokens < 1:
             raise ConfigError(f"model.max_new_tokens must be >= 1; got {max_new_tokens}")
+        check_factories(optimizer, lr_scheduler)
         self._compiler = ModelCompiler(compile, compile_options)
         ignore = ["optimizer", "lr_scheduler"] + ([] if isinstance(model, str) else ["model"])
         self.save_hyperparameters(ignore=ignore)
@@ -162,15 +163,11 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
         if self.tokenizer is not None:  # ids past the embeddings would fail only at the first batch
             check_tokenizer_fits(base, self.tokenizer, "model.tokenizer" if tokenizer is not None else "model")
 
-        self.peft_config = None if peft is None else build_peft_config(peft, task)
+        check_adapter_target(base, peft)  # a PeftModel given with peft= would be wrapped twice
+        self.peft_config = None if peft is None else build_peft_config(own_peft_spec(peft), task)
         if self.peft_config is not None:
             # Saved in plain form so that load_from_checkpoint and hparams.yaml need no pickled classes.
-            if isinstance(peft, PeftConfig):
-                self.hparams["peft"] = peft_config_to_dict(self.peft_config)
-            elif isinstance(peft, dict):
-                # PEFT's enums (PeftType.LORA, TaskType.CAUSAL_LM) by value: a plain Trainer's fit(ckpt_path=...) and
-                # load_from_checkpoint load with torch's default weights_only=True, which refuses their class.
-                self.hparams["peft"] = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in peft.items()}
+            self.hparams["peft"] = peft_hparams(peft, self.peft_config)
             check_peft_type_support(base, self.peft_config)
             self.model = attach_adapter(base, self.peft_config)
         else:

@@ -40,10 +40,14 @@ class SkipsNonFiniteSteps:
     def _count_nonfinite(self, first_order: bool) -> None:
         """Counts and logs a skipped step; a first-order one also drops its update (see the class docstring).
 
+        Under ``accumulate_grad_batches`` several micro-batches of one optimizer step may be non-finite: the step is
+        counted once (the count is of skipped steps; it counted micro-batches, two for one skipped step).
+
         Args:
             first_order: Whether gradients of this step are still to reach the optimizer.
         """
-        self.nonfinite_steps += 1
+        if not (first_order and self._skip_update):  # else this optimizer step is counted (and skipped) already
+            self.nonfinite_steps += 1
         self._skip_update = first_order
         self.log("nonfinite_steps", float(self.nonfinite_steps), prog_bar=True)
 

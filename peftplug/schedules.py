@@ -57,7 +57,8 @@ class CosineAnnealingLR(torch.optim.lr_scheduler.CosineAnnealingLR):
                  last_epoch: int = -1) -> None:
         if T_max is None:
             raise ConfigError("lr_scheduler.init_args.T_max: null means the run's length, which only a training run "
-                              "(PeftModule under a Trainer) knows; give a number")
+                              "(PeftModule under a Trainer, given this class or a functools.partial of it, not a "
+                              "function that calls it) knows; give a number")
         super().__init__(optimizer, T_max=T_max, eta_min=eta_min, last_epoch=last_epoch)
 
 
@@ -120,13 +121,28 @@ def run_length(trainer: Any, interval: str = "step", zeroth_order: bool = False)
 
 
 def _factory_class(factory: Callable[..., Any]) -> tuple[type | None, dict[str, Any]]:
-    """The scheduler class and keyword arguments of a factory, when it is a ``functools.partial`` of one (what
-    jsonargparse builds from a recipe: ``partial(instantiator, cls, **init_args)``, flattened by functools into
+    """The scheduler class and keyword arguments of a factory, when it is the class or a ``functools.partial`` of one
+    (what jsonargparse builds from a recipe: ``partial(instantiator, cls, **init_args)``, flattened by functools into
     ``partial(call, instantiator, cls, **init_args)``), else ``(None, {})``."""
+    if inspect.isclass(factory):  # the class itself, from Python: every argument left at its default
+        return factory, {}
     if not isinstance(factory, functools.partial):
         return None, {}
     cls = factory.func if inspect.isclass(factory.func) else next((a for a in factory.args if inspect.isclass(a)), None)
     return (cls, dict(factory.keywords)) if cls is not None else (None, {})
+
+
+def _left_null(cls: type, name: str, kwargs: dict[str, Any]) -> bool:
+    """Whether the length argument ``name`` is null: given as ``None``, or left out where the class defaults it to
+    ``None`` (``OneCycleLR.total_steps``, our ``CosineAnnealingLR.T_max``; Python callers pass the class or a
+    ``partial`` without it, which torch then refused, or our ``CosineAnnealingLR`` as if no run were there)."""
+    if name in kwargs:
+        return kwargs[name] is None
+    try:
+        parameter = inspect.signature(cls).parameters.get(name)
+    except (TypeError, ValueError):  # no signature to read: leave the scheduler to its own defaults
+        return False
+    return parameter is not None and parameter.default is None
 
 
 def _has_momentum(optimizer: torch.optim.Optimizer) -> bool:
@@ -140,7 +156,7 @@ def _fill_in(cls: type, kwargs: dict[str, Any], optimizer: torch.optim.Optimizer
     fill: dict[str, Any] = {}
     name = next((arg for base, arg in LENGTH_ARGUMENTS.items() if issubclass(cls, base)), None)
     one_cycle = issubclass(cls, torch.optim.lr_scheduler.OneCycleLR)
-    if name is not None and name in kwargs and kwargs[name] is None and not (one_cycle and kwargs.get("epochs")):
+    if name is not None and _left_null(cls, name, kwargs) and not (one_cycle and kwargs.get("epochs")):
         if not math.isfinite(run.length):
             raise ConfigError(f"{field}.init_args.{name}: null means the run's length, but this run sets none "
                               f"({run.why}); set trainer.max_steps or trainer.max_epochs, or give {name}")
