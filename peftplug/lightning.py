@@ -20,7 +20,7 @@ from peft import PeftConfig
 
 from peftplug.adapter_params import PARAM_NAME
 from peftplug.compiling import ModelCompiler
-from peftplug.errors import ConfigError
+from peftplug.errors import ConfigError, PeftplugError
 from peftplug.eval_metrics import (  # noqa: F401 -- GENERATION_PREFIX, model_inputs: scripts import them from here
     CLASSIFICATION_TASKS,
     GENERATION_PREFIX,
@@ -146,7 +146,10 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
 
         self.tokenizer = None
         if tokenizer is not None or isinstance(model, str):
-            self.tokenizer = load_tokenizer(tokenizer or model)
+            try:
+                self.tokenizer = load_tokenizer(tokenizer or model)
+            except PeftplugError as err:  # "model 'abc' not found" named the wrong setting for model.tokenizer: abc
+                raise err if tokenizer is None else type(err)(f"model.tokenizer: {err}") from None
         if isinstance(model, str):
             base = load_model(model, task, quantization, dtype, num_labels=num_labels, field_prefix="model.",
                               pad_token_id=getattr(self.tokenizer, "pad_token_id", None))
