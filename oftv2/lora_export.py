@@ -246,7 +246,10 @@ def lora_from_oftv2(
     r = max(ranks.values())
     # Layers below the config's r: their own rank and alpha (scaling alpha / r = 1 in PEFT; vLLM uses 1 for all).
     pattern = {path: k for path, k in ranks.items() if k != r}
-    conv1d = [isinstance(layer.get_base_layer(), Conv1D) for _, layer in layers]
+    # PEFT's one fan_in_fan_out flag concerns its Linear and Conv1D layers only (its Embedding and Conv2d ignore it):
+    # counting an embedding as "not Conv1D" set it False for GPT-2's c_attn + wte, and PEFT warned at every load.
+    conv1d = [isinstance(layer.get_base_layer(), Conv1D) for _, layer in layers
+              if isinstance(layer.get_base_layer(), (nn.Linear, Conv1D))]
     lora_config = LoraConfig(
         r=r, lora_alpha=r, target_modules=sorted(ranks), rank_pattern=pattern, alpha_pattern=dict(pattern),
         lora_dropout=0.0, bias="none", use_dora=False, use_rslora=False, modules_to_save=None,

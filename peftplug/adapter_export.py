@@ -120,6 +120,60 @@ def read_base_record(folder: str | os.PathLike) -> dict | None:
     return {key: record[key] for key in ("format", "model", "quantization", "dtype")}
 
 
+def _untie_adapted_weights(peft_model: Any) -> list[str]:
+    """Gives every module that shares its weight with an adapted layer (``tie_word_embeddings``: the output head
+    and the input embedding hold one tensor) its own copy, so that merging changes the adapted layer only.
+
+    Unmerged, an adapter on a tied ``embed_tokens`` (or ``lm_head``) changes that layer alone: the other one still
+    computes with the base weight. ``merge_and_unload`` writes the update into the shared tensor, so the merged model
+    changed the head too and computed something else than the trained adapter (logits off by 0.3 to 30 on a tiny
+    GPT-2), silently. Untied first, each layer merges into its own weight and the saved model (now with
+    ``tie_word_embeddings=False``, one more matrix) equals the adapter. Trainable tokens are left tied: PEFT adapts
+    both tied layers alike there, so the shared tensor merged is right.
+
+    Args:
+        peft_model: The ``PeftModel`` about to be merged.
+
+    Returns:
+        The paths of the modules that got their own copy.
+    """
+    import torch
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    base = peft_model.get_base_model()
+    holders: dict[int, list[tuple[str, Any, str]]] = {}
+    seen = set()
+    for path, owner in base.named_modules(remove_duplicate=False):
+        for name, param in owner.named_parameters(recurse=False):
+            if (id(owner), name) not in seen:  # a module reused under two paths holds its weight once
+                seen.add((id(owner), name))
+                holders.setdefault(id(param), []).append((path, owner, name))
+    adapted = []
+    for layer in base.modules():
+        if isinstance(layer, BaseTunerLayer) and not isinstance(layer, TrainableTokensLayer):
+            weight = getattr(layer.get_base_layer(), "weight", None)
+            if isinstance(weight, torch.nn.Parameter) and id(weight) not in adapted:
+                adapted.append(id(weight))
+    untied = []
+    for key in adapted:
+        for path, owner, name in holders.get(key, [])[1:]:  # the first keeps the tensor, the others get copies
+            shared = getattr(owner, name)
+            if type(shared) is not torch.nn.Parameter:  # a quantized tensor is never tied: nothing to copy
+                continue
+            setattr(owner, name, torch.nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad))
+            untied.append(path)
+    if untied:
+        # Else from_pretrained would tie the saved head to the merged embedding again (and save_pretrained drop it).
+        configs = [getattr(base, "config", None)]
+        text = getattr(configs[0], "get_text_config", None)
+        configs.append(text() if callable(text) else None)
+        for config in configs:
+            if config is not None and getattr(config, "tie_word_embeddings", False):
+                config.tie_word_embeddings = False
+    return untied
+
+
 def export_module(module: Any, output: str | os.PathLike, merge: bool = False, overwrite: bool = False) -> Path:
     """What :meth:`peftplug.lightning.PeftModule.export` does: writes the adapter (PEFT ``save_pretrained`` layout
     plus :data:`BASE_RECORD`) or the merged full model, plus the tokenizer.
@@ -130,7 +184,8 @@ def export_module(module: Any, output: str | os.PathLike, merge: bool = False, o
         module: The ``PeftModule``.
         output: Target directory.
         merge: Merge the adapter into the base weights (``merge_and_unload``) and save a plain model (no record: it
-            is a model folder, loaded as such).
+            is a model folder, loaded as such). A layer that shares its weight with an adapted one (tied embeddings)
+            gets its own copy first (:func:`_untie_adapted_weights`), so the merged model equals the adapter.
         overwrite: Replace an existing non-empty ``output``.
 
     Raises:
@@ -158,6 +213,7 @@ def export_module(module: Any, output: str | os.PathLike, merge: bool = False, o
     # overwritten export is moved aside before the new one is renamed in, so a crash leaves one of the two.
     with atomic_directory(target, overwrite=target.exists()) as staging:
         if merge:
+            _untie_adapted_weights(module.model)
             try:
                 merged = module.model.merge_and_unload()
             except ValueError as err:
