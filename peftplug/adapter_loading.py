@@ -295,6 +295,9 @@ def load_adapter(
                               f"{', '.join(sorted(tasks))} only (load the base model yourself and pass it)")
         quantization, dtype = _base_settings(path, quantization, dtype)
         pad_token_id = None
+        if tasks[task_type] == "seq_cls" and num_labels is None:
+            raise ConfigError(f"adapter {str(path)!r} is a SEQ_CLS adapter: pass num_labels= (its number of "
+                              "classes), with which the model's classification head is built")
         if tasks[task_type] == "seq_cls":
             # As PeftModule trained it: the config's pad id is its tokenizer's (EOS where the tokenizer had no pad),
             # which a decoder-only classifier pools by. The export holds that tokenizer; else the model's own.

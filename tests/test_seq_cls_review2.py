@@ -151,6 +151,8 @@ def test_the_trained_head_is_saved_and_restored_with_the_adapter(tmp_path, peft_
     batched, _ = _batched_and_single(module, data)
     module.export(tmp_path / "adapter")
     torch.manual_seed(1)  # another fresh head, were the trained one not restored
+    with pytest.raises(ConfigError, match="is a SEQ_CLS adapter: pass num_labels="):  # (was "num_labels ... None")
+        load_adapter("tiny:llama", tmp_path / "adapter")
     loaded = load_adapter("tiny:llama", tmp_path / "adapter", num_labels=3).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(**data.collate(data.splits["validation"])).logits, batched)
