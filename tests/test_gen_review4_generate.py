@@ -37,6 +37,15 @@ class _CtrlC(io.StringIO):
         return line
 
 
+@pytest.fixture
+def _default_sigint():
+    """Python's own SIGINT handler (KeyboardInterrupt), as in a terminal: a test run before may have left another."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("_default_sigint")
 def test_ctrl_c_stops_an_answer_or_ends_the_session_without_a_traceback():
     generator = Generator(model="tiny:llama")
     first, second = "Tell me a long story.", "Name a colour."
