@@ -17,6 +17,11 @@ remembers the global count of :mod:`peftplug.parameter_writes` it was filled at.
 :func:`peftplug.parameter_writes.parameters_written` (every model's caches, steering's too) or :func:`clear`. Switching a layer to training mode drops its entries. Eager only:
 under ``torch.compile`` the series is traced with the rest of the graph (dynamo cannot trace data pointers).
 
+Not for a parameter that carries derivatives the blocks must keep: a ``torch.func`` transform's tensor (``vmap`` over
+stacked adapters, ``jvp``, ``grad`` through ``functional_call``: it has no storage to key on) or a forward-mode AD
+dual tensor (``torch.autograd.forward_ad``: it shares the primal's storage and version, so an entry filled before
+would drop its tangent). Those forwards compute the blocks every time (tests/oftv2/test_oftv2_review5_cache.py).
+
 Not inside an FSDP unit either (:func:`peftplug.parameter_writes.managed_by_fsdp`: the gathered parameters keep their
 version and may keep their address across a write to the shards; tests/oftv2/test_oftv2_cache_review2.py).
 """
@@ -27,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import forward_ad
 
 from peftplug.parameter_writes import managed_by_fsdp, write_count
 
@@ -57,6 +63,8 @@ def cached_rotation(layer: Any, adapter_name: str, q_param: torch.Tensor, settin
         settings: Its settings object, ``layer.oftv2_settings[adapter_name]``.
         plan: Its kernel plan for the parameter's device.
     """
+    if not _plain(q_param):
+        return layer.get_rotation(adapter_name)  # (blocks that keep the batch dimension or tangent; not stored)
     cache = layer.__dict__.setdefault(CACHE_ATTR, {})
     entry = cache.get(adapter_name)
     version, address, steps = q_param._version, q_param.data_ptr(), write_count()
@@ -67,6 +75,22 @@ def cached_rotation(layer: Any, adapter_name: str, q_param: torch.Tensor, settin
     # The detached parameter pins its storage while the entry lives (see the module docstring).
     cache[adapter_name] = (q_param.detach(), version, address, settings, plan, blocks, steps)
     return blocks
+
+
+def _plain(q_param: torch.Tensor) -> bool:
+    """Whether ``q_param`` is an ordinary tensor whose blocks may be stored: not a ``torch.func`` wrapper, and without
+    a forward-mode tangent (checked only inside a ``forward_ad.dual_level``, a module global read otherwise).
+
+    Args:
+        q_param: The adapter's parameter as this forward sees it (``functional_call`` may have swapped it).
+    """
+    if _IS_FUNCTORCH_WRAPPED is not None and _IS_FUNCTORCH_WRAPPED(q_param):
+        return False
+    return getattr(forward_ad, "_current_level", -1) < 0 or forward_ad.unpack_dual(q_param).tangent is None
+
+
+# Private torch API (2.13): read once, and a torch without it only loses the functorch case, never every forward.
+_IS_FUNCTORCH_WRAPPED = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
 
 
 def clear(module: nn.Module) -> None:
