@@ -47,6 +47,7 @@ from peftplug.methods import import_plugin_for, peft_config_classes  # noqa: F40
 from peftplug.model_checks import check_target_modules
 from peftplug.optional import bitsandbytes_available
 from peftplug.quantized_layout import keep_exact_4bit_layout
+from peftplug.task_heads import add_heads_to_save, needs_is_decoder, seq_cls_head_names
 
 TASKS = ("causal_lm", "seq_cls", "seq2seq", "prompt_cls")
 QUANTIZATIONS = ("none", "nf4", "fp4", "int8")
@@ -330,13 +331,14 @@ def _remote_code_error(name: str, err: Exception) -> ConfigError | None:
                        "whose architecture the installed transformers implements")
 
 
-def quantization_config(quantization: str, compute_dtype: torch.dtype, task: str):
+def quantization_config(quantization: str, compute_dtype: torch.dtype, task: str, heads: list[str] | None = None):
     """The transformers ``BitsAndBytesConfig`` for a quantization name, or ``None`` for ``"none"``.
 
     Args:
         quantization: ``none``, ``nf4``, ``fp4`` or ``int8``.
         compute_dtype: dtype 4-bit layers compute in.
         task: The task; classification heads are kept unquantized.
+        heads: More head names to keep unquantized for ``seq_cls`` (:func:`peftplug.task_heads.seq_cls_head_names`).
     """
     check_choice("quantization", quantization, QUANTIZATIONS)
     if quantization == "none":
@@ -345,7 +347,7 @@ def quantization_config(quantization: str, compute_dtype: torch.dtype, task: str
         raise ConfigError(f"quantization={quantization!r} needs bitsandbytes: pip install bitsandbytes")
     from transformers import BitsAndBytesConfig
 
-    skip = _HEAD_NAMES if task == "seq_cls" else None
+    skip = sorted({*_HEAD_NAMES, *(heads or [])}) if task == "seq_cls" else None
     if quantization == "int8":
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
     return BitsAndBytesConfig(
@@ -400,6 +402,7 @@ def load_model(
     Args:
         name: Model name or path (see :func:`resolve_model_path`).
         task: ``causal_lm``, ``seq_cls``, ``seq2seq`` or ``prompt_cls`` (a causal LM scored on label words).
+            An encoder (BERT, RoBERTa, ...) loads as a causal LM with ``is_decoder=True``: it attends causally.
         quantization: ``none``, ``nf4``, ``fp4`` or ``int8`` (bitsandbytes; works on CPU too).
         dtype: ``float32``, ``bfloat16`` or ``float16``: the weights' dtype, and with ``nf4``/``fp4`` the 4-bit
             layers' compute dtype. A quantized model keeps its unquantized weights (embeddings, norms, heads) in
@@ -439,7 +442,11 @@ def load_model(
         kwargs.update(num_labels=num_labels, ignore_mismatched_sizes=True)
     if pad_token_id is not None:
         kwargs["pad_token_id"] = pad_token_id
-    bnb = quantization_config(quantization, DTYPES[dtype], task)
+    # The head found from the model itself: T5's or BART's classification_head is in no list of names.
+    heads = seq_cls_head_names(path, kwargs) if task == "seq_cls" and quantization != "none" else None
+    bnb = quantization_config(quantization, DTYPES[dtype], task, heads)
+    if task in ("causal_lm", "prompt_cls") and needs_is_decoder(path, kwargs):
+        kwargs["is_decoder"] = True  # BERT-like: bidirectional otherwise, every position would see its labels
     if bnb is not None:
         kwargs["quantization_config"] = bnb
     kwargs.setdefault("trust_remote_code", False)  # never transformers' interactive prompt (_remote_code_error)
@@ -571,6 +578,9 @@ def attach_adapter(model: torch.nn.Module, peft_config: Any):
     """
     from peft import get_peft_model
 
+    task_type = getattr(peft_config, "task_type", None)
+    if str(getattr(task_type, "value", task_type)) == "SEQ_CLS":
+        add_heads_to_save(model, peft_config)  # PEFT trains and saves only heads named classifier or score
     check_target_modules(model, peft_config)
     return get_peft_model(model, peft_config)
 
