@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -166,3 +167,43 @@ def tiny_recipe_args():
 
     return make
 
+
+
+class _RankZeroLines(logging.Handler):
+    """Collects the messages of Lightning's rank-zero logger (which need not propagate to the root logger)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def info_lines():
+    """The INFO messages of Lightning's rank-zero logger during the test (peftplug's parameter lines among them)."""
+    logger, handler = logging.getLogger("lightning.pytorch.utilities.rank_zero"), _RankZeroLines()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+@pytest.fixture
+def nf4_base(tiny_model, tmp_path):
+    """Factory: the tiny Llama loaded in nf4 by transformers itself (as plain PEFT and TRL's model_init_kwargs do)."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_model("llama", seed=0).save_pretrained(tmp_path / "base")
+
+    def load():
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quant, device_map="cpu")
+
+    return load

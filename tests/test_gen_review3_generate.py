@@ -5,39 +5,11 @@ torch's "probability tensor contains either inf, nan" traceback."""
 
 from __future__ import annotations
 
-import logging
-
 import lightning  # noqa: F401  (imported before capsys swaps stderr: Lightning's log handler binds to it)
 import pytest
 
 from peftplug.cli import main
 from peftplug.generate_cli import Generator
-
-RANK_ZERO = "lightning.pytorch.utilities.rank_zero"
-
-
-class _Lines(logging.Handler):
-    """Collects the messages of Lightning's rank-zero logger (which need not propagate to the root logger)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def info_lines():
-    logger, handler = logging.getLogger(RANK_ZERO), _Lines()
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield handler.lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 def _parameter_lines(lines: list[str]) -> list[str]:

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import signal
 
 import lightning  # noqa: F401  (imported before capsys swaps stderr: Lightning's log handler binds to it)
 import pytest
+from test_gen_review3_generate import _parameter_lines
 
 from peftplug.cli import main
 from peftplug.generate_cli import Generator, chat_loop
 
-RANK_ZERO = "lightning.pytorch.utilities.rank_zero"
 LORA = {"peft_type": "LORA", "r": 2, "target_modules": ["q_proj"]}
 
 
@@ -73,32 +72,7 @@ def test_ctrl_c_stops_an_answer_or_ends_the_session_without_a_traceback():
     assert out.getvalue().endswith("you> \n")  # Ctrl-C at the prompt ended the session, as Ctrl-D does
 
 
-class _Lines(logging.Handler):
-    """Collects the messages of Lightning's rank-zero logger."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "parameters" in record.getMessage():
-            self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def parameter_lines():
-    logger, handler = logging.getLogger(RANK_ZERO), _Lines()
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield handler.lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
-def test_an_nf4_model_reports_the_parameters_of_its_unquantized_self(parameter_lines):
+def test_an_nf4_model_reports_the_parameters_of_its_unquantized_self(info_lines):
     from peftplug.lightning import PeftModule
     from peftplug.parameter_report import for_generation
 
@@ -108,14 +82,14 @@ def test_an_nf4_model_reports_the_parameters_of_its_unquantized_self(parameter_l
     quantized = PeftModule("tiny:llama", quantization="nf4", peft=LORA)
     assert any(type(p).__name__ == "Params4bit" for p in quantized.model.parameters())  # packed: what is counted
     line = f"peftplug: trainable parameters {trainable:,} of {total:,} ({100 * trainable / total:.3f}%)"
-    assert parameter_lines == [line, line]  # the full-precision module's line, and the nf4 one's
+    assert _parameter_lines(info_lines) == [line, line]  # the full-precision module's line, and the nf4 one's
     # PEFT's own count of the quantized model agrees.
     assert quantized.model.get_nb_trainable_parameters() == (trainable, total)
-    parameter_lines.clear()
+    info_lines.clear()
     with for_generation():
         PeftModule("tiny:llama", quantization="nf4")
     bare = total - trainable
-    assert parameter_lines == [f"peftplug: generating with the model as it is ({bare:,} parameters, no adapter)"]
+    assert _parameter_lines(info_lines) == [f"peftplug: generating with the model as it is ({bare:,} parameters, no adapter)"]
 
 
 def test_predict_on_stdout_prints_json_lines_only_with_the_progress_bar_on(tmp_path, capsys):

@@ -22,21 +22,6 @@ import prompt_transfer as pt
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
 
 
-@pytest.fixture
-def nf4_base(tiny_model, tmp_path):
-    """Factory: the tiny Llama loaded in nf4 by transformers itself (as plain PEFT and TRL's model_init_kwargs do)."""
-    pytest.importorskip("bitsandbytes")
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    tiny_model("llama", seed=0).save_pretrained(tmp_path / "base")
-
-    def load():
-        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
-        return AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quant, device_map="cpu")
-
-    return load
-
-
 def _grads(model) -> dict[str, torch.Tensor]:
     model.train()
     model.zero_grad()
