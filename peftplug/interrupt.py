@@ -6,7 +6,8 @@ stays ignored). The first signal only sets a flag; the current optimizer step fi
 ``accumulate_grad_batches`` > 1 the rest of its accumulation window, since a checkpoint holds no accumulated
 gradients (and a zeroth-order step perturbs the parameters in place, so a checkpoint taken inside a step would hold
 perturbed weights) — and at that boundary, where Lightning's ``ModelCheckpoint`` saves too, a checkpoint
-``last.ckpt`` is written into the run's checkpoint folder and the trainer stops, without the validation pass
+``last.ckpt`` is written into the run's checkpoint folder (when training ends, if the signal came after the last
+batch boundary, e.g. during the final validation) and the trainer stops, without the validation pass
 Lightning runs before every early stop (one that was due after that batch anyway still runs). ``peftplug fit --config ...
 --ckpt_path last`` then resumes exactly: optimizer, LR scheduler, loops, the training loader's position
 (:mod:`peftplug.data.resumable`) and the RNG states (:mod:`peftplug.resume`). A second signal aborts at once (nothing more is written). What is lost: on Ctrl-C or
@@ -130,6 +131,20 @@ class GracefulInterrupt(Callback):
             return
         if self.signal_received is None:  # another rank got it
             self.signal_received = signal.SIGTERM
+        self._write_checkpoint(trainer)
+        # Lightning ignores should_stop until the recipe's min_epochs / min_steps are met ("Training will
+        # continue..."): the run would go on past the checkpoint it just announced. A stop the user asked for outranks
+        # the minimum (the resumed run rebuilds its trainer from the recipe, minimums included).
+        trainer.fit_loop.min_epochs = None
+        trainer.fit_loop.epoch_loop.min_steps = None
+        self._stop_without_early_stop_validation(trainer)
+
+    def _write_checkpoint(self, trainer: Any) -> None:
+        """Writes ``last.ckpt`` (:func:`interrupt_checkpoint_path`) on every rank and says so on rank zero.
+
+        Args:
+            trainer: The trainer, at an optimizer-step boundary.
+        """
         path = interrupt_checkpoint_path(trainer)
         checkpoints = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
         for callback in checkpoints:
@@ -145,12 +160,6 @@ class GracefulInterrupt(Callback):
         for callback in checkpoints:
             callback._last_global_step_saved = trainer.global_step
             callback._last_checkpoint_saved = callback._last_checkpoint_saved or str(path)
-        # Lightning ignores should_stop until the recipe's min_epochs / min_steps are met ("Training will
-        # continue..."): the run would go on past the checkpoint it just announced. A stop the user asked for outranks
-        # the minimum (the resumed run rebuilds its trainer from the recipe, minimums included).
-        trainer.fit_loop.min_epochs = None
-        trainer.fit_loop.epoch_loop.min_steps = None
-        self._stop_without_early_stop_validation(trainer)
         if trainer.is_global_zero:
             print(f"peftplug: stopped at step {trainer.global_step}; checkpoint written to {path} (resume with "
                   "--ckpt_path last or this path)", file=sys.stderr, flush=True)
@@ -177,7 +186,20 @@ class GracefulInterrupt(Callback):
             epoch_loop._skip_next_val = True  # read (and cleared) by this batch's on_advance_end
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """Gives SIGINT and SIGTERM back."""
+        """Writes the announced checkpoint if the signal came after the last batch boundary; gives SIGINT and
+        SIGTERM back.
+
+        A signal during the final validation (or after the last step's ``on_train_batch_end``) met no further batch
+        boundary: the run exited with 130/143 and skipped ``evaluate_after_fit`` like a stopped run, yet wrote no
+        checkpoint, and with ``enable_checkpointing: false`` the finished training was lost. The loops are at the
+        end of the run here (``ModelCheckpoint`` saves here too), so the checkpoint resumes to a fit with nothing
+        left to train.
+        """
+        # checkpoint_path is the same on every rank (set by the all-reduced boundary), so all ranks all-reduce here.
+        if self.checkpoint_path is None and self._any_rank_signalled(trainer):
+            if self.signal_received is None:  # another rank got it
+                self.signal_received = signal.SIGTERM
+            self._write_checkpoint(trainer)
         self._restore_handlers()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:

@@ -8,6 +8,7 @@ learning rate of one step further on.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -93,6 +94,22 @@ class SkipsNonFiniteSteps:
             self._hold_scheduler = False
             return
         super().lr_scheduler_step(scheduler, metric)
+
+    def on_train_end(self) -> None:
+        """Says on rank zero, in one line, how many steps were skipped for a non-finite loss.
+
+        The count was only logged: with no logger and no progress bar (or a run nobody watches), a fit whose loss
+        was NaN from some step on skipped every later step and exited 0 without a word, its adapter untrained.
+        """
+        super_end = getattr(super(), "on_train_end", None)
+        if callable(super_end):
+            super_end()
+        if not self.nonfinite_steps or not self.trainer.is_global_zero:
+            return
+        steps = self.trainer.global_step
+        print(f"peftplug: warning: {self.nonfinite_steps} optimizer step(s) had a non-finite loss (NaN/inf) and were "
+              f"skipped without an update (the run is at step {steps}; the count is of this process's steps); "
+              "check the learning rate and the data, or train in fp32", file=sys.stderr, flush=True)
 
     def _step_scheduler(self, stepped: bool) -> None:
         """Steps a zeroth-order run's scheduler once for a step whose update happened.
