@@ -157,16 +157,6 @@ class Generator:
             return self.module.generate_texts(batch["input_ids"], batch["attention_mask"], max_new_tokens,
                                               temperature=temperature)
 
-    def position_limit(self) -> int | None:
-        """The size of the model's learned position table (GPT-2's ``wpe``, OPT's ``embed_positions``, BERT-style
-        ``position_embeddings``), or ``None`` for models without one (rotary positions: no table to run off)."""
-        import torch
-
-        for name, module in self.module.model.named_modules():
-            if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES:
-                return module.num_embeddings - getattr(module, "offset", 0)
-        return None
-
     def check_positions(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Refuses a prompt that, with the tokens to generate, runs past the model's position table (an
         ``IndexError`` deep in the embedding otherwise).
@@ -178,10 +168,12 @@ class Generator:
         Raises:
             PositionError: Naming both lengths and the limit.
         """
-        limit = self.position_limit()
+        from peftplug.model_checks import position_table, virtual_tokens
+
+        table = position_table(self.module.model)
+        limit = None if table is None else table[1]
         # Prompt-learning adapters (prompt tuning, PCT, prefix ...) put their virtual tokens before the prompt.
-        config = getattr(self.module.model, "active_peft_config", None)
-        virtual = getattr(config, "num_virtual_tokens", 0) if getattr(config, "is_prompt_learning", False) else 0
+        virtual = virtual_tokens(self.module.model)
         if limit is not None and virtual + prompt_tokens + max_new_tokens > limit:
             extra = f" after the adapter's {virtual} virtual tokens" if virtual else ""
             raise PositionError(f"the prompt is {prompt_tokens} tokens{extra} and --max_new_tokens {max_new_tokens}, "
@@ -190,10 +182,6 @@ class Generator:
 
 class PositionError(ConfigError):
     """A prompt that, with the tokens to generate, does not fit the model's position table."""
-
-
-# Names of learned absolute position tables in transformers' models.
-_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 
 
 # The smallest sampling temperature: below it, logits / temperature overflow fp32 to inf and torch's multinomial

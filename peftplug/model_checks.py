@@ -80,3 +80,32 @@ def check_tokenizer_fits(model: torch.nn.Module, tokenizer: Any, field: str = "t
             f"{getattr(model, 'name_or_path', '')!r} has embeddings for {rows} (ids {rows}..{size - 1} would fail at "
             "the first batch); use the model's own tokenizer"
         )
+
+
+# Names of learned absolute position tables in transformers' models.
+POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def position_table(model: torch.nn.Module) -> tuple[str, int] | None:
+    """``(name, positions)`` of the model's learned position table (GPT-2's ``wpe``, OPT's ``embed_positions``,
+    BERT-style ``position_embeddings``), or ``None`` for models without one (rotary or relative positions: no table
+    to run off). A longer input stops in the embedding with ``IndexError: index out of range in self``.
+
+    Args:
+        model: The (possibly PEFT-wrapped) model.
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in POSITION_TABLES:
+            return name, module.num_embeddings - getattr(module, "offset", 0)  # (OPT's table starts 2 positions in)
+    return None
+
+
+def virtual_tokens(model: torch.nn.Module) -> int:
+    """How many virtual tokens the active prompt-learning adapter (prompt tuning, PCT, prefix ...) puts before each
+    input; 0 for other adapters and bare models.
+
+    Args:
+        model: The (possibly PEFT-wrapped) model.
+    """
+    config = getattr(model, "active_peft_config", None)
+    return (getattr(config, "num_virtual_tokens", 0) or 0) if getattr(config, "is_prompt_learning", False) else 0

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from peftplug.data.resumable import EpochShuffleSampler, ResumableDataLoader
 from peftplug.errors import ConfigError, DataError
+from peftplug.model_checks import position_table, virtual_tokens
 
 
 def pad_batch(features: list[dict[str, list[int]]], pad_id: int, left: bool = False) -> dict[str, torch.Tensor]:
@@ -210,18 +211,15 @@ class TokenizedDataModule(L.LightningDataModule):
         model = getattr(self._module(), "model", None)
         if not isinstance(model, torch.nn.Module) or not self.splits[split]:
             return
-        table = next(((name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding)
-                      and name.rpartition(".")[2] in ("position_embeddings", "wpe", "embed_positions")), None)
+        table = position_table(model)
         if table is None:  # rotary or relative positions: no table to run past
             return
-        config = getattr(model, "peft_config", {}).get(getattr(model, "active_adapter", None))
-        virtual = getattr(config, "num_virtual_tokens", 0) or 0  # prompt learning puts its tokens before the row
-        limit = table[1].num_embeddings - getattr(table[1], "offset", 0)  # (OPT's table starts 2 positions in)
+        (name, limit), virtual = table, virtual_tokens(model)  # prompt learning puts its tokens before the row
         longest = max(len(row.get("input_ids") or ()) for row in self.splits[split])
         if longest + virtual > limit:
             raise DataError(
                 f"the {split} split has rows of {longest} tokens{f' + {virtual} virtual' if virtual else ''}, but "
-                f"the model's learned position table ({table[0]}) holds {limit} positions: set data.max_length to "
+                f"the model's learned position table ({name}) holds {limit} positions: set data.max_length to "
                 f"{limit - virtual} or less"
             )
 
