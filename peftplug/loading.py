@@ -545,25 +545,31 @@ def build_peft_config(spec: Any, task: str):
     return config
 
 
+def plain_value(value: Any) -> Any:
+    """``value`` in plain, YAML-safe form, at any depth: sets become sorted lists, tuples lists, dict keys strings,
+    PEFT's enums (``PeftType``, ``TaskType``) their values (torch's ``weights_only`` loading refuses their class).
+
+    Args:
+        value: A config value (or a whole config dict).
+    """
+    if isinstance(value, (set, frozenset)):
+        return sorted(plain_value(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [plain_value(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): plain_value(v) for k, v in value.items()}
+    if hasattr(value, "value") and isinstance(value.value, str):
+        return value.value
+    return value
+
+
 def peft_config_to_dict(config: Any) -> dict:
-    """A plain, YAML-safe dict of a PEFT config (sets become sorted lists, enums their values).
+    """A plain, YAML-safe dict of a PEFT config (:func:`plain_value`).
 
     Args:
         config: A ``PeftConfig``.
     """
-
-    def plain(value):
-        if isinstance(value, (set, frozenset)):
-            return sorted(plain(v) for v in value)
-        if isinstance(value, (list, tuple)):
-            return [plain(v) for v in value]
-        if isinstance(value, dict):
-            return {str(k): plain(v) for k, v in value.items()}
-        if hasattr(value, "value") and isinstance(value.value, str):
-            return value.value
-        return value
-
-    data = plain(config.to_dict())
+    data = plain_value(config.to_dict())
     for key in ("peft_version", "auto_mapping", "base_model_name_or_path", "revision"):
         data.pop(key, None)
     return data

@@ -19,7 +19,6 @@ From a notebook the arguments arrive as objects, not as the recipe's plain value
 from __future__ import annotations
 
 import copy
-import enum
 from typing import Any
 
 import torch
@@ -62,20 +61,10 @@ def own_peft_spec(peft: Any) -> Any:
     return copy.deepcopy(peft) if isinstance(peft, PeftConfig) else peft
 
 
-def _plain(value: Any) -> Any:
-    """``value`` with enums (PEFT's ``PeftType``, ``TaskType``) replaced by their values, in nested dicts and lists too."""
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(item) for item in value)
-    return value
-
-
 def peft_hparams(peft: Any, config: Any) -> Any:
     """What ``hparams.peft`` records: the built config as a plain dict for a ``PeftConfig`` object, else the dict as
-    given with PEFT's enums by value, at any depth (``init_args`` of a ``class_path`` dict included).
+    given in plain form (:func:`peftplug.loading.plain_value`: PEFT's enums by value, at any depth, ``init_args`` of
+    a ``class_path`` dict included).
 
     A plain Trainer's ``fit(ckpt_path=...)`` and ``load_from_checkpoint`` load with torch's default
     ``weights_only=True``, which refuses the enums' class.
@@ -86,9 +75,9 @@ def peft_hparams(peft: Any, config: Any) -> Any:
     """
     from peft import PeftConfig
 
-    from peftplug.loading import peft_config_to_dict
+    from peftplug.loading import peft_config_to_dict, plain_value
 
-    return peft_config_to_dict(config) if isinstance(peft, PeftConfig) else _plain(peft)
+    return peft_config_to_dict(config) if isinstance(peft, PeftConfig) else plain_value(peft)
 
 
 def check_factories(optimizer: Any, lr_scheduler: Any) -> None:
