@@ -134,6 +134,20 @@ def keep_exact_4bit_layout(model: nn.Module) -> int:
     return count
 
 
+def keep_exact_4bit_layout_if_intact(model: nn.Module) -> int:
+    """:func:`keep_exact_4bit_layout`, except that a model an earlier forward already repacked is left as it is (it
+    still infers; what would train through it is refused where training starts): for adapters attached to a model
+    the user may have run already (prompt learning, steering).
+
+    Args:
+        model: Any module.
+
+    Returns:
+        The number of 4-bit layers switched (0 for a repacked model).
+    """
+    return 0 if repacked_layers(model) else keep_exact_4bit_layout(model)
+
+
 def _blocks_straddle_rows(layer: nn.Module) -> bool:
     """Whether a ``Linear4bit``'s quantization blocks straddle its rows (``in_features % blocksize != 0``)."""
     state = getattr(getattr(layer, "weight", None), "quant_state", None)

@@ -378,13 +378,12 @@ def _install_prompt_tuning_dispatch() -> None:
         raise _internals_error("PeftModel._setup_prompt_encoder / active_peft_config not found")
 
     def _setup_prompt_encoder(self, adapter_name: str):
-        from peftplug.quantized_layout import keep_exact_4bit_layout, repacked_layers
+        from peftplug.quantized_layout import keep_exact_4bit_layout_if_intact
 
         # Every prompt-learning adapter (PEFT's too) on a 4-bit base loaded outside peftplug: bitsandbytes' CPU
         # repacking at the first eval forward gives a matmul without autograd, and the prompt's gradient changed
         # after an evaluate() (PCT's query by 43 %). A base already repacked is left to the user (it still infers).
-        if not repacked_layers(self.base_model):
-            keep_exact_4bit_layout(self.base_model)
+        keep_exact_4bit_layout_if_intact(self.base_model)
         config = self.peft_config[adapter_name]
         if _type_value(config.peft_type) not in _PROMPT_TUNING_LIKE:
             return original_setup(self, adapter_name)

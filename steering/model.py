@@ -15,7 +15,7 @@ from torch import nn
 from peftplug.adapter_params import UpgradesLegacyKeys
 from peftplug.quantized_layout import (
     RepackedWeightError,
-    keep_exact_4bit_layout,
+    keep_exact_4bit_layout_if_intact,
     repacked_layers,
     repacked_message,
 )
@@ -154,8 +154,7 @@ class SteeringModel(UpgradesLegacyKeys, BaseTuner):
         # CPUs, and the repacked matmul has no autograd: after one evaluate() (or train_vectors' no-grad reference
         # forward) a vector's gradient lost every path through the later blocks, silently. A base repacked already
         # (a CAA pass before the adapter was attached) still steers at inference; training it is refused instead.
-        if not repacked_layers(model):
-            keep_exact_4bit_layout(model)
+        keep_exact_4bit_layout_if_intact(model)
 
     def train(self, mode: bool = True) -> SteeringModel:
         """``nn.Module.train``, refusing first to train a vector whose ``positions`` no training forward can express.
