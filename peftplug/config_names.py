@@ -300,9 +300,9 @@ def check_peft_spec(spec: Any, field: str = "model.peft") -> None:
         unknown = set(spec) - {"class_path", "init_args", "dict_kwargs"}
         if unknown:
             raise ConfigError(f"{field}.{min(unknown)}: a class_path config takes its settings under init_args")
-        check_init_args(cls, dict(spec.get("init_args") or {}), f"{field}.init_args")
-        check_init_types(cls, dict(spec.get("init_args") or {}), f"{field}.init_args")
-        check_init_values(cls, dict(spec.get("init_args") or {}), f"{field}.init_args")
+        init_args = dict(spec.get("init_args") or {})
+        for check in (check_init_args, check_init_types, check_init_values):
+            check(cls, init_args, f"{field}.init_args")
     elif "peft_type" in spec:
         from peftplug.methods import peft_config_classes
 
@@ -315,9 +315,9 @@ def check_peft_spec(spec: Any, field: str = "model.peft") -> None:
         # has is not a typo; it is dropped with a warning where the config is built (saved_config_extras), as PEFT's
         # own loading does. Only a hand-written dict's keys are checked here.
         if peft_type in known and not spec.get("peft_version"):
-            check_init_args(known[peft_type], [k for k in spec if k not in SAVED_BOOKKEEPING], field)
-            check_init_types(known[peft_type], {k: v for k, v in spec.items() if k not in SAVED_BOOKKEEPING}, field)
-            check_init_values(known[peft_type], {k: v for k, v in spec.items() if k not in SAVED_BOOKKEEPING}, field)
+            settings = {k: v for k, v in spec.items() if k not in SAVED_BOOKKEEPING}
+            for check in (check_init_args, check_init_types, check_init_values):
+                check(known[peft_type], settings, field)
 
 
 def _public_path(cls: type) -> str:
