@@ -30,7 +30,6 @@ from peftplug.config_errors import (  # condense_argument_error, config_field: r
     _exception_chain,
     _section_of,
     check_root_dir,
-    check_trainer_values,
     class_path_error,
     condense_argument_error,
     config_field,
@@ -146,7 +145,7 @@ def _cli_classes():
     from peftplug.interrupt import GracefulInterrupt
     from peftplug.lightning import PeftModule
     from peftplug.predictions import check_predict_output, check_runs_batches, predict_and_emit
-    from peftplug.trainer_checks import check_trainer_settings
+    from peftplug.trainer_checks import check_trainer_settings, check_trainer_values
 
     class SafeSaveConfigCallback(SaveConfigCallback):
         """Saves the resolved config into the run's log directory, never over one of the input configs."""

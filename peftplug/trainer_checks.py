@@ -220,7 +220,42 @@ def check_trainer_settings(accelerator: Any = "auto", strategy: Any = "auto", de
     _check_model_parallel(strategy, devices, resolved, num_nodes)
 
 
-__all__ = ["check_trainer_settings"]
+_TIMEDELTA_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds", "microseconds")
+
+
+def check_trainer_values(trainer: Any, seed: Any = None) -> None:
+    """Refuses trainer values that Lightning fails on with a traceback (not a message), before anything is built.
+
+    ``val_check_interval: 0`` and ``check_val_every_n_epoch: 0`` were a ``ZeroDivisionError`` in the training loop,
+    a ``val_check_interval`` or ``max_time`` dict with a key ``timedelta`` does not take a ``TypeError``, and a
+    negative ``seed_everything`` numpy's ``ValueError``.
+
+    Args:
+        trainer: The ``trainer`` section of the parsed config (``None``: only the seed is checked).
+        seed: The ``seed_everything`` setting (``None``, a bool or an int).
+
+    Raises:
+        ConfigError: Naming the field and the accepted values.
+    """
+    if seed is not None and not isinstance(seed, bool) and not (isinstance(seed, int) and 0 <= seed < 2**32):
+        raise ConfigError(f"seed_everything must be true/false or an int in [0, 2**32 - 1]; got {seed!r}")
+    get = trainer.get if hasattr(trainer, "get") else lambda key, default=None: default
+    interval = get("val_check_interval")
+    if isinstance(interval, (int, float)) and not isinstance(interval, bool) and not interval > 0:
+        raise ConfigError(f"trainer.val_check_interval must be an int >= 1 (batches) or a float in (0, 1] (a fraction "
+                          f"of the epoch); got {interval!r} (to skip validation set trainer.limit_val_batches: 0)")
+    every = get("check_val_every_n_epoch")
+    if every is not None and not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
+        raise ConfigError(f"trainer.check_val_every_n_epoch must be an int >= 1, or null to validate by "
+                          f"val_check_interval only; got {every!r}")
+    for key in ("val_check_interval", "max_time"):
+        value = get(key)
+        if isinstance(value, dict) and (not value or set(value) - set(_TIMEDELTA_KEYS)):
+            raise ConfigError(f"trainer.{key}: a duration dict takes the keys {', '.join(_TIMEDELTA_KEYS)}; "
+                              f"got {value!r}")
+
+
+__all__ = ["check_trainer_settings", "check_trainer_values"]
 
 
 def check_zeroth_order_trainer(trainer: Any) -> None:

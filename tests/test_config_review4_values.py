@@ -216,7 +216,7 @@ def test_trainer_values_lightning_fails_on_with_a_traceback_are_refused(trainer,
     """Lightning's answers were a ZeroDivisionError in the loop (interval 0, every 0 epochs), timedelta's TypeError
     (a dict key it does not take) and numpy's ValueError (a negative seed). Here the check itself; the CLI's
     below."""
-    from peftplug.config_errors import check_trainer_values
+    from peftplug.trainer_checks import check_trainer_values
 
     with pytest.raises(ConfigError, match="^" + expected.replace("[", r"\[").replace("*", r"\*")):
         check_trainer_values(Namespace(**trainer), seed)
@@ -229,7 +229,7 @@ def test_trainer_values_lightning_fails_on_with_a_traceback_are_refused(trainer,
     ({"max_time": {"hours": 1}}, None),
 ])
 def test_trainer_values_lightning_takes_are_accepted(trainer, seed):
-    from peftplug.config_errors import check_trainer_values
+    from peftplug.trainer_checks import check_trainer_values
 
     check_trainer_values(Namespace(**trainer), seed)
 
