@@ -26,6 +26,7 @@ before restoring the checkpoint (runs sized by ``max_epochs`` whose ``configure_
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -188,13 +189,11 @@ def note_replaced_optimizer_settings(trainer: Any, configured: list[list[dict[st
         trainer: The ``lightning.pytorch.Trainer`` at ``on_train_start``.
         configured: From :func:`optimizer_settings` at ``on_fit_start``.
     """
-    import sys
-
     changed = replaced_optimizer_settings(trainer, configured)
     if changed and getattr(trainer, "is_global_zero", True):
-        print("peftplug: --ckpt_path: the checkpoint's optimizer state keeps its own settings, not the config's: "
-              f"model.optimizer.init_args.{'; model.optimizer.init_args.'.join(changed)} (to train with new settings, start a new run "
-              "from the checkpoint's adapter)", file=sys.stderr, flush=True)
+        named = "; ".join(f"model.optimizer.init_args.{setting}" for setting in changed)
+        print(f"peftplug: --ckpt_path: the checkpoint's optimizer state keeps its own settings, not the config's: {named} "
+              "(to train with new settings, start a new run from the checkpoint's adapter)", file=sys.stderr, flush=True)
     return changed
 
 
