@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import subprocess
 import sys
 import textwrap
@@ -61,6 +62,22 @@ def _single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """Fails a test that leaves pytest's file-size limit (``RLIMIT_FSIZE``) lowered, and puts it back before pytest
+    writes the test's report: with stdout redirected to a file already past the limit (CI's log), that write died
+    with ``OSError: File too large`` and took the whole run down. Tests that need a small limit set it in a child."""
+    before = resource.getrlimit(resource.RLIMIT_FSIZE)
+    try:
+        return (yield)
+    finally:
+        after = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if after != before:
+            resource.setrlimit(resource.RLIMIT_FSIZE, before)
+            raise AssertionError(f"the test left RLIMIT_FSIZE at {after} (it was {before}); lower it in a child "
+                                 "process (the zygote fixture) instead")
 
 
 #: What Lightning's strategies export into the process environment and leave there after an in-process run.

@@ -11,17 +11,17 @@
 from __future__ import annotations
 
 import json
-import resource
+import os
 import zipfile
+from pathlib import Path
 
-import lightning
 import pytest
 import torch
-from tiny_recipes import causal_recipe
 
 from peftplug.checkpoints import check_adapter_dir, read_checkpoint
-from peftplug.cli import cli
-from peftplug.errors import CheckpointError, run_command
+from peftplug.errors import CheckpointError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # A pickle that reads memo entry 9 of an empty memo: what a flipped byte in data.pkl can turn an opcode into.
 DAMAGED_PICKLE = b"\x80\x02}q\x00h\x09."
@@ -67,58 +67,78 @@ def test_an_adapter_bin_with_a_damaged_pickle_is_one_line(tmp_path):
         check_adapter_dir(folder)
 
 
-class FileSizeLimitAfterStep(lightning.Callback):
-    """From training step ``step`` (after the checkpoint of the step before) on, files may not grow past
-    ``limit`` bytes: the next checkpoint write fails as on a full disk (Python ignores SIGXFSZ, so the write raises)."""
+# The file-size limit is only ever lowered in a child process: lowered in pytest's own process, it also caps pytest's
+# report (stdout redirected to a file larger than the limit, as in CI) and pytest dies with "File too large".
+_FULL_DISK_FIT = r"""
+import resource, sys
+import lightning
+sys.path.insert(0, "tests")
+from tiny_recipes import causal_recipe
+from peftplug.cli import cli
+from peftplug.errors import run_command
 
-    def __init__(self, step: int, limit: int) -> None:
+
+class FileSizeLimitAfterStep(lightning.Callback):
+    # From training step `step` (after the checkpoint of the step before) on, files may not grow past `limit`
+    # bytes: the next checkpoint write fails as on a full disk (Python ignores SIGXFSZ, so the write raises).
+    def __init__(self, step, limit):
         self.step, self.limit = step, limit
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
-            hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
-            resource.setrlimit(resource.RLIMIT_FSIZE, (self.limit, hard))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
-@pytest.fixture
-def restore_file_size_limit():
-    before = resource.getrlimit(resource.RLIMIT_FSIZE)
-    yield before
-    resource.setrlimit(resource.RLIMIT_FSIZE, before)
+root = sys.argv[1]
+rows = [{"prompt": f"Q{i}", "response": f" {i}"} for i in range(8)]
+recipe = causal_recipe(__import__("pathlib").Path(root), rows,
+                       peft={"peft_type": "LORA", "r": 2, "target_modules": ["q_proj"]},
+                       trainer={"max_steps": 3, "limit_val_batches": 0}, data={"batch_size": 2})
+periodic = ('--trainer.callbacks=[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", '
+            '"init_args": {"every_n_train_steps": 1, "save_last": true}}]')
+status = run_command("peftplug", lambda argv: cli(argv, trainer_defaults={
+    "callbacks": [FileSizeLimitAfterStep(step=1, limit=4096)]}) and 0, ["fit", "--config", str(recipe), periodic])
+sys.exit(status)
+"""
 
 
-def test_a_full_disk_during_a_fit_checkpoint_is_one_line_and_keeps_the_previous_one(
-        tmp_path, capsys, restore_file_size_limit):
-    rows = [{"prompt": f"Q{i}", "response": f" {i}"} for i in range(8)]
-    recipe = causal_recipe(tmp_path, rows, peft={"peft_type": "LORA", "r": 2, "target_modules": ["q_proj"]},
-                           trainer={"max_steps": 3, "limit_val_batches": 0}, data={"batch_size": 2})
-    periodic = ('--trainer.callbacks=[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", '
-                '"init_args": {"every_n_train_steps": 1, "save_last": true}}]')
-    folder = tmp_path / "runs" / "checkpoints"
-    capsys.readouterr()
-    status = run_command("peftplug", lambda argv: cli(argv, trainer_defaults={
-        "callbacks": [FileSizeLimitAfterStep(step=1, limit=4096)]}) and 0, ["fit", "--config", str(recipe), periodic])
-    resource.setrlimit(resource.RLIMIT_FSIZE, restore_file_size_limit)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert status == 2, err[-20:]
+def test_a_full_disk_during_a_fit_checkpoint_is_one_line_and_keeps_the_previous_one(tmp_path, zygote):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = zygote().run(_FULL_DISK_FIT, [str(tmp_path)], env, REPO_ROOT, timeout=300)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2, err[-20:]
     assert err[-1].startswith("peftplug: error: cannot write checkpoint ") and "File too large" in err[-1], err[-5:]
     assert not any(line.startswith("Traceback") for line in err)
     # The checkpoints of step 1 are whole and the failed write left no temporary file.
+    folder = tmp_path / "runs" / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=1.ckpt", "last.ckpt"]
     assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 1
 
 
-def test_the_write_error_is_an_os_error_with_its_errno(tmp_path, restore_file_size_limit):
-    """For code that catches OSError around a plain Trainer with AtomicCheckpointIO."""
-    import errno
+_LIMITED_WRITE = r"""
+import errno, resource, sys, torch
+from peftplug.checkpoint_io import AtomicCheckpointIO, CheckpointWriteError
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    AtomicCheckpointIO().save_checkpoint({"w": torch.arange(10_000, dtype=torch.float32)}, sys.argv[1])
+except CheckpointWriteError as error:
+    assert isinstance(error, OSError) and error.errno == errno.EFBIG, repr(error)
+    print(error)
+    sys.exit(0)
+sys.exit("no CheckpointWriteError")
+"""
 
-    from peftplug.checkpoint_io import AtomicCheckpointIO, CheckpointWriteError
+
+def test_the_write_error_is_an_os_error_with_its_errno(tmp_path, zygote):
+    """For code that catches OSError around a plain Trainer with AtomicCheckpointIO."""
+    from peftplug.checkpoint_io import AtomicCheckpointIO
 
     path = tmp_path / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"w": torch.ones(3)}, path)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-    with pytest.raises(CheckpointWriteError, match="the previous checkpoint there is unchanged") as caught:
-        AtomicCheckpointIO().save_checkpoint({"w": torch.arange(10_000, dtype=torch.float32)}, path)
-    assert isinstance(caught.value, OSError) and caught.value.errno == errno.EFBIG
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = zygote().run(_LIMITED_WRITE, [str(path)], env, REPO_ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "the previous checkpoint there is unchanged" in done.stdout, done.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(3))
+
