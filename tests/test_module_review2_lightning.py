@@ -127,10 +127,12 @@ def test_bf16_evaluation_loss_is_the_fp32_cross_entropy(tmp_path, task):
             return TextClassificationData(train_file=path, validation_file=path, batch_size=batch_size)
     metrics = _trainer(tmp_path).validate(module, datamodule=data(4), verbose=False)[0]
 
-    single = data(1)
-    single.tokenizer = module.tokenizer
-    single.setup("validate")
-    assert metrics["val_loss"] == pytest.approx(_fp32_reference(module, single, task), rel=1e-5)
+    # The reference runs the same batches: bf16 logits depend on the batch's shape by more than 1e-5 on some CPUs
+    # (2e-5 on an AVX2-only one, whose bf16 matmuls take another path than AVX512-BF16's).
+    same = data(4)
+    same.tokenizer = module.tokenizer
+    same.setup("validate")
+    assert metrics["val_loss"] == pytest.approx(_fp32_reference(module, same, task), rel=1e-5)
 
 
 @pytest.mark.parametrize("task", ["seq_cls", "causal_lm"])
