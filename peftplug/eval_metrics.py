@@ -54,45 +54,6 @@ def fp32_mean_loss(task: str, logits: torch.Tensor, labels: torch.Tensor) -> tor
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
-def seq_cls_forward(model: torch.nn.Module, batch: dict) -> Any:
-    """Runs a classifier on a batch; a decoder-only one under a prompt-learning adapter is pooled at each row's last
-    attended token.
-
-    PEFT's prompt tuning / P-tuning / PCT hand the model ``inputs_embeds`` (virtual tokens first), so transformers
-    cannot find the pad tokens and classifies every row at the last position: padding, for each right-padded row.
-    A hook on the ``score`` head puts the logits of each row's last attended position (from ``attention_mask``,
-    after the virtual tokens) at the position transformers pools. Causal attention leaves the real positions'
-    hidden states untouched by later padding, so each row gets the logits it gets alone.
-
-    Args:
-        model: The (PEFT-wrapped) sequence-classification model.
-        batch: Model inputs.
-    """
-    from peft import PeftModel
-    from peft.utils import PeftType
-
-    mask = batch.get("attention_mask")
-    config = model.active_peft_config if isinstance(model, PeftModel) else None
-    if (mask is None or config is None or not config.is_prompt_learning
-            or config.peft_type == PeftType.PREFIX_TUNING):  # prefix tuning passes input_ids: pooled right
-        return model(**batch)
-    base = model.get_base_model()
-    head = getattr(base, "score", None)  # decoder-only heads; encoders pool [CLS] (a virtual token, by design)
-    if head is None or getattr(base.config, "is_encoder_decoder", False):
-        return model(**batch)
-    last = config.num_virtual_tokens + (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(-1)
-
-    def pool(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        rows = torch.arange(output.shape[0], device=output.device)
-        return torch.cat([output[:, :-1], output[rows, last.to(output.device)].unsqueeze(1)], dim=1)
-
-    handle = head.register_forward_hook(pool)
-    try:
-        return model(**batch)
-    finally:
-        handle.remove()
-
-
 class EvaluationSums:
     """Accumulates validation/test sums per stage and logs the split's metrics at the epoch's end.
 

@@ -26,7 +26,6 @@ from peftplug.eval_metrics import (  # noqa: F401 -- GENERATION_PREFIX, model_in
     GENERATION_PREFIX,
     EvaluationSums,
     model_inputs,
-    seq_cls_forward,
 )
 from peftplug.loading import (
     QUANTIZATIONS,
@@ -53,6 +52,7 @@ from peftplug.resume import (
     rng_state,
 )
 from peftplug.schedules import build_lr_scheduler, check_resumed_length
+from peftplug.seq_cls_pooling import pool_at_last_attended_token
 from peftplug.sharding import (
     FSDP_MIXED_PRECISIONS,
     check_checkpoint_files,
@@ -175,6 +175,8 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
             self.model = attach_adapter(base, self.peft_config)
         else:
             self.model = base
+        if task == "seq_cls":  # a model whose prompt-learning adapter was made before peftplug's registry hooked PEFT
+            pool_at_last_attended_token(self.model)
         # Like any freshly built nn.Module (and unlike what from_pretrained returns), start in train mode;
         # Lightning switches to eval mode for validation/test/predict itself.
         self.model.train()
@@ -200,8 +202,6 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
             from peftplug.prompt_scoring import prompt_cls_forward
 
             return prompt_cls_forward(self.model, batch)
-        if self.task == "seq_cls":
-            return seq_cls_forward(self.model, batch)
         return self.model(**batch)
 
     def generate_texts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,

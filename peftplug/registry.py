@@ -20,6 +20,8 @@ import peft
 import torch
 from packaging.version import Version
 
+from peftplug.seq_cls_pooling import pool_at_last_attended_token
+
 # The PEFT versions whose internals (PeftType's enum maps, the mapping dicts, BaseTuner's hooks) this package was
 # written and tested against (docs/compatibility.md: 0.16-0.20 fail in our tuners and in PEFT's own save/load).
 # An older PEFT is refused at import; a newer one is tried, and a failure names the version.
@@ -321,51 +323,6 @@ def _refuse_restarting_positions(module, args, kwargs):
         raise ValueError(PACKED_REFUSAL.format(_type_value(config.peft_type)))
 
 
-class _PoolAtLastAttended:
-    """Forward hook (with kwargs) on the backbone of a decoder-only ``SEQ_CLS`` model under a prompt-tuning-like
-    plugin: puts each row's hidden state at its last attended token in the last position, where transformers pools.
-
-    PEFT's prompt-learning forward hands the base model ``inputs_embeds`` (the prompt first), so transformers'
-    ``...ForSequenceClassification`` cannot find the pad tokens and pools every row at the last position: padding,
-    for each right-padded row (TRL's ``RewardTrainer``, transformers' ``Trainer`` with a right-padding collator), and
-    the model trained on those scores, silently. The attention mask the backbone receives includes the prompt's
-    positions, so its last attended position is the row's. Causal attention leaves the real positions untouched by
-    later padding: each row gets the score it gets alone. A forward given ``input_ids`` (the adapter disabled) is left
-    to transformers. A class, not a closure, so that the model still pickles and deep-copies.
-    """
-
-    def __call__(self, module, args, kwargs, output):
-        mask = kwargs.get("attention_mask")
-        if kwargs.get("input_ids") is not None or kwargs.get("inputs_embeds") is None:
-            return None
-        if not torch.is_tensor(mask) or mask.dim() != 2:
-            return None
-        hidden = getattr(output, "last_hidden_state", None)
-        if hidden is None or hidden.dim() != 3 or hidden.shape[1] != mask.shape[1]:
-            return None
-        last = (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(-1).to(hidden.device)
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        output.last_hidden_state = torch.cat([hidden[:, :-1], hidden[rows, last].unsqueeze(1)], dim=1)
-        return output
-
-
-def _pool_seq_cls_at_last_attended(peft_model) -> None:
-    """Installs :class:`_PoolAtLastAttended` on a decoder-only ``SEQ_CLS`` model's backbone (once per model).
-
-    Args:
-        peft_model: The ``PeftModel`` whose prompt-tuning-like encoder is being set up.
-    """
-    base = peft_model.base_model  # the transformers model (prompt learning wraps it directly)
-    # Decoder-only heads are named ``score``; encoders pool [CLS] (a virtual token, by design).
-    if getattr(base, "score", None) is None or getattr(base.config, "is_encoder_decoder", False):
-        return
-    backbone = getattr(base, getattr(base, "base_model_prefix", ""), None)
-    if not isinstance(backbone, torch.nn.Module) or any(
-            isinstance(h, _PoolAtLastAttended) for h in backbone._forward_hooks.values()):
-        return
-    backbone.register_forward_hook(_PoolAtLastAttended(), with_kwargs=True)
-
-
 def _install_prompt_tuning_dispatch() -> None:
     from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
     from peft.peft_model import PeftModel
@@ -386,7 +343,9 @@ def _install_prompt_tuning_dispatch() -> None:
         keep_exact_4bit_layout_if_intact(self.base_model)
         config = self.peft_config[adapter_name]
         if _type_value(config.peft_type) not in _PROMPT_TUNING_LIKE:
-            return original_setup(self, adapter_name)
+            original_setup(self, adapter_name)
+            pool_at_last_attended_token(self)  # PEFT's own prompt tuning / P-tuning classifiers too
+            return
         stand_in = _prompt_tuning_view(config)
         self.peft_config[adapter_name] = stand_in
         try:
@@ -402,8 +361,7 @@ def _install_prompt_tuning_dispatch() -> None:
                     _refuse_packed_batches(_type_value(config.peft_type)), with_kwargs=True),
                 self.register_forward_pre_hook(_refuse_restarting_positions, with_kwargs=True),
             )
-        if _type_value(config.task_type) == "SEQ_CLS":
-            _pool_seq_cls_at_last_attended(self)
+        pool_at_last_attended_token(self)
 
     def active_peft_config(self):
         config = original_active.fget(self)

@@ -5,7 +5,7 @@ PEFT's prompt-learning forward hands the base model ``inputs_embeds`` (the soft 
 ``...ForSequenceClassification`` cannot find the pad tokens and pools every row at the last position
 (``"will not detect padding tokens in inputs_embeds"``): for each right-padded row (``RewardTrainer``'s collator pads
 right) the reward was read at a padding position, and the model trained on those rewards. peftplug's Lightning path
-re-pooled at the last attended token (``peftplug.eval_metrics.seq_cls_forward``), any other trainer did not; a PCT
+re-pooled at the last attended token (a per-call hook of its own), any other trainer did not; a PCT
 ``SEQ_CLS`` model now pools there itself (``peftplug.registry``).
 """
 
