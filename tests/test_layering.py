@@ -24,6 +24,7 @@ METHOD_PACKAGES = ("oftv2", "helene", "prompt_transfer", "steering")
 OURS = {"peftplug", "peftplug_kernels", *METHOD_PACKAGES}
 LEAVES = {"peftplug.registry", "peftplug.fileio", "peftplug.errors", "peftplug.datadir", "peftplug.quantized_layout",
           "peftplug.optional", "peftplug.parameter_writes", "peftplug.validation", "peftplug.adapter_params",
+          "peftplug.seq_cls_pooling",
           "peftplug_kernels"}
 #: Folders that are not the repository's code.
 SKIP_DIRS = {".venv", ".venv-compat", "runs", "build", "dist", "node_modules", "__pycache__"}
