@@ -515,14 +515,15 @@ def lightning_main(argv: Sequence[str]) -> int:
     """LightningCLI's subcommands (``fit``, ``validate``, ``test``, ``predict``).
 
     Lightning's ``MisconfigurationException`` (e.g. a monitor that is never logged) is a settings error wherever
-    it is raised, so it is reported as a :class:`ConfigError`. A ``fit`` stopped by Ctrl-C or SIGTERM (at a batch
-    boundary, with a checkpoint: :mod:`peftplug.interrupt`) returns ``128 + signal number``.
+    it is raised, so it is reported as a :class:`ConfigError`. A run stopped by Ctrl-C or SIGTERM (``fit``: at a
+    batch boundary, with a checkpoint, :mod:`peftplug.interrupt`) or aborted by one returns ``128 + signal number``.
 
     Args:
         argv: The arguments, starting with the subcommand.
     """
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+    from peftplug.interrupt import abort_status
     from peftplug.predictions import check_predictions_flag
 
     check_config_files(argv)
@@ -532,6 +533,8 @@ def lightning_main(argv: Sequence[str]) -> int:
     except MisconfigurationException as err:
         raise ConfigError(one_line(err)) from err
     except SystemExit as done_help:
+        if (aborted := abort_status(done_help)) is not None:  # Lightning's exit(1) after Ctrl-C: 130 (SIGTERM: 143)
+            return aborted
         if argv[:1] == ["fit"] and {"-h", "--help"} & set(argv) and done_help.code in (0, None):
             print(f"\n{FIT_IN_SHORT}", flush=True)  # the last screen of a 1,400-line help: what recipes set
         raise

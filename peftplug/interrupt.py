@@ -10,8 +10,9 @@ perturbed weights) — and at that boundary, where Lightning's ``ModelCheckpoint
 batch boundary, e.g. during the final validation) and the trainer stops, without the validation pass
 Lightning runs before every early stop (one that was due after that batch anyway still runs). ``peftplug fit --config ...
 --ckpt_path last`` then resumes exactly: optimizer, LR scheduler, loops, the training loader's position
-(:mod:`peftplug.data.resumable`) and the RNG states (:mod:`peftplug.resume`). A second signal aborts at once (nothing more is written). What is lost: on Ctrl-C or
-SIGTERM nothing; on SIGKILL or a lost machine everything since the last periodic checkpoint. The stop outranks the recipe's
+(:mod:`peftplug.data.resumable`) and the RNG states (:mod:`peftplug.resume`). A second signal aborts at once
+(nothing more is written; ``peftplug`` exits with 130, or 143 if it was SIGTERM: :func:`abort_status`). What is lost:
+on Ctrl-C or SIGTERM nothing; on SIGKILL or a lost machine everything since the last periodic checkpoint. The stop outranks the recipe's
 ``min_epochs``/``min_steps``, which Lightning would otherwise enforce by training on.
 
 Under DDP the flag is all-reduced at each optimizer-step boundary (one scalar), so all ranks stop after the same
@@ -45,6 +46,35 @@ def interrupt_checkpoint_path(trainer: Any) -> Path:
     return Path(folder or Path(trainer.default_root_dir) / "checkpoints") / LAST
 
 
+class SignalAbort(KeyboardInterrupt):
+    """The abort a second signal raises: a ``KeyboardInterrupt`` (Lightning tears down as for Ctrl-C) that names
+    the signal, so that ``peftplug fit`` exits with the shell's status for it (:func:`abort_status`).
+
+    Args:
+        signum: The signal received.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def abort_status(stop: SystemExit) -> int | None:
+    """The exit status of a run aborted by a signal: ``128 + signal number`` (130 for Ctrl-C), else ``None``.
+
+    Lightning answers a ``KeyboardInterrupt`` during ``fit``/``validate``/``test``/``predict`` by tearing down and
+    calling ``exit(1)`` inside its handler, so the ``SystemExit`` carries the interrupt as its ``__context__``; a
+    status of 1 told scripts the run had failed, where a shell reports 130 for a command Ctrl-C ended.
+
+    Args:
+        stop: The ``SystemExit`` that ended the command.
+    """
+    interrupt = stop.__context__
+    if stop.code != 1 or not isinstance(interrupt, KeyboardInterrupt):
+        return None
+    return 128 + int(getattr(interrupt, "signum", signal.SIGINT))
+
+
 class GracefulInterrupt(Callback):
     """Stops training at the next batch boundary after SIGINT/SIGTERM and writes a resumable checkpoint there.
 
@@ -60,9 +90,12 @@ class GracefulInterrupt(Callback):
     # ---------------------------------------------------------------- signal handlers
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signal_received is not None:
-            # The second signal: the user wants out now. Lightning's KeyboardInterrupt path tears down.
+            # The second signal: the user wants out now. Lightning's KeyboardInterrupt path tears down (and gives
+            # SIGINT back); the exception names the signal for the exit status (abort_status).
             self._restore_handlers()
-            raise KeyboardInterrupt
+            print(f"peftplug: {signal.Signals(signum).name} received again: aborting now, without a checkpoint",
+                  file=sys.stderr, flush=True)
+            raise SignalAbort(signum)
         self.signal_received = signum
         print(f"peftplug: {signal.Signals(signum).name} received: finishing the current optimizer step (with gradient "
               "accumulation, its last micro-batch), then writing a checkpoint and stopping (send it again to abort "
@@ -207,4 +240,4 @@ class GracefulInterrupt(Callback):
         self._restore_handlers()
 
 
-__all__ = ["GracefulInterrupt", "interrupt_checkpoint_path"]
+__all__ = ["GracefulInterrupt", "SignalAbort", "abort_status", "interrupt_checkpoint_path"]

@@ -503,6 +503,7 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
         # Lightning saves no RNG state; dropout draws from torch's global generator, so an exact resume needs it.
         # Under DDP rank 0's is saved: every rank is seeded alike and draws alike.
         checkpoint[RNG_KEY] = rng_state()
+        self._save_nonfinite(checkpoint)  # a resumed run's count goes on from this one's
         if is_sharded(self.model):
             name_optimizer_states(checkpoint.get("optimizer_states", []), self)
             # torch's FSDP2 optimizer state dict keeps only "state" and "param_groups": a zeroth-order optimizer's
@@ -522,6 +523,7 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
         """
         # Applied when training starts (after sanity checks and setup), not now: nothing in between may draw.
         self._rng_to_restore = checkpoint.get(RNG_KEY)
+        self._restore_nonfinite(checkpoint)
         if self._trainer is not None and is_sharded(self.model):
             # ModelParallelStrategy loaded the optimizers through torch's set_optimizer_state_dict, which passes
             # on "state" and "param_groups" only; a zeroth-order optimizer refuses to step until the rest is back.

@@ -12,6 +12,11 @@ import sys
 from typing import Any
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
+
+#: Checkpoint key of the count of skipped steps, so that a resumed run's count (logged, and said at the end) goes on
+#: from the interrupted run's instead of from 0.
+NONFINITE_KEY = "peftplug_nonfinite_steps"
 
 
 class SkipsNonFiniteSteps:
@@ -51,6 +56,28 @@ class SkipsNonFiniteSteps:
             self.nonfinite_steps += 1
         self._skip_update = first_order
         self.log("nonfinite_steps", float(self.nonfinite_steps), prog_bar=True)
+
+    def _save_nonfinite(self, checkpoint: dict[str, Any]) -> None:
+        """Adds the count of skipped steps to a checkpoint being written.
+
+        Args:
+            checkpoint: The checkpoint dict Lightning is about to write.
+        """
+        checkpoint[NONFINITE_KEY] = int(self.nonfinite_steps)
+
+    def _restore_nonfinite(self, checkpoint: dict[str, Any]) -> None:
+        """Continues the count of skipped steps from a checkpoint that a fit resumes from.
+
+        Only a fit's resume (``trainer.fit(..., ckpt_path=...)``) takes it, as with the RNG states: a module loaded
+        otherwise (``load_from_checkpoint``, ``validate``/``test`` with ``ckpt_path``) and fitted afresh later counts
+        that fit's steps. A checkpoint from before the count was saved leaves it as it is.
+
+        Args:
+            checkpoint: The loaded checkpoint dict.
+        """
+        saved = checkpoint.get(NONFINITE_KEY)
+        if saved is not None and self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING:
+            self.nonfinite_steps = int(saved)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Drops the gradients of a step whose loss was not finite, so the optimizer skips every parameter.
@@ -108,7 +135,7 @@ class SkipsNonFiniteSteps:
             return
         steps = self.trainer.global_step
         print(f"peftplug: warning: {self.nonfinite_steps} optimizer step(s) had a non-finite loss (NaN/inf) and were "
-              f"skipped without an update (the run is at step {steps}; the count is of this process's steps); "
+              f"skipped without an update (the run is at step {steps}; the count includes those before a resume); "
               "check the learning rate and the data, or train in fp32", file=sys.stderr, flush=True)
 
     def _step_scheduler(self, stepped: bool) -> None:
