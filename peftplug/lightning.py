@@ -219,11 +219,12 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
 
         tokenizer = self.tokenizer
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-        generated = generate_new_tokens(  # stops at eos and the template's end of turn (Gemma: <end_of_turn>)
-            self.model, input_ids, attention_mask, **sampling,
-            max_new_tokens=max_new_tokens or self.hparams.max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids(tokenizer),
-        )
+        # Stops at eos and the template's end of turn (Gemma: <end_of_turn>). With no such token, the model's
+        # generation_config eos stays: eos_token_id=[] (or None) overrode it, and answers never stopped.
+        stops = stop_token_ids(tokenizer)
+        generated = generate_new_tokens(
+            self.model, input_ids, attention_mask, **sampling, **({"eos_token_id": stops} if stops else {}),
+            max_new_tokens=max_new_tokens or self.hparams.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
         return tokenizer.batch_decode(generated, skip_special_tokens=True)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:

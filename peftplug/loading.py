@@ -46,6 +46,7 @@ from peftplug.hub_access import cached_hub_snapshot, hub_offline, hub_unreachabl
 from peftplug.methods import import_plugin_for, peft_config_classes  # noqa: F401  (import_plugin_for: its old path)
 from peftplug.model_checks import check_target_modules
 from peftplug.optional import bitsandbytes_available
+from peftplug.pad_token import ensure_pad_token
 from peftplug.quantized_layout import keep_exact_4bit_layout
 from peftplug.task_heads import add_heads_to_save, needs_is_decoder, seq_cls_head_names
 
@@ -361,6 +362,9 @@ def load_tokenizer(name: str):
 
     Args:
         name: Model name or path (see :func:`resolve_model_path`).
+
+    Raises:
+        ConfigError: If it has no token to pad with (:func:`peftplug.pad_token.ensure_pad_token`).
     """
     from transformers import AutoTokenizer
 
@@ -381,10 +385,7 @@ def load_tokenizer(name: str):
         if _remote_code_error(name, err) is not None:
             raise _remote_code_error(name, err) from None
         raise MissingFileError(f"cannot load a tokenizer for model {name!r}: {one_line(err, 300)}") from None
-    if tokenizer.pad_token is None:
-        # Decoder-only tokenizers often have no pad token; padding positions are masked anyway.
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    return tokenizer
+    return ensure_pad_token(tokenizer, name)  # refuses here a tokenizer that could not pad the first batch
 
 
 def load_model(
