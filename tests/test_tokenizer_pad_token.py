@@ -132,3 +132,23 @@ def test_answers_stop_at_the_models_eos_when_the_tokenizer_has_none(folders):
     stopped = module.generate_texts(prompt["input_ids"], prompt["attention_mask"])
     assert stopped == [module.tokenizer.decode([first])], (stopped, unstopped)
     assert len(module.tokenizer(unstopped[0])["input_ids"]) == 6, unstopped  # the stop is the eos, not the length
+
+
+def test_a_tokenizer_object_given_to_a_data_module_gets_the_same_fallback(tmp_path):
+    """A tokenizer assigned in Python (``data.tokenizer = tok``) skipped the loader: ``pad_batch`` got pad id None."""
+    import json
+
+    from peftplug.data import CausalLMData
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "Q", "response": " x" * n}) + "\n" for n in (1, 3)))
+    data = CausalLMData(train_file=str(path), batch_size=2, prompt_column="prompt", response_column="response")
+    data.tokenizer = _char_tokenizer(("</s>",), eos_token="</s>")
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    eos = data.tokenizer.convert_tokens_to_ids("</s>")
+    assert data.tokenizer.pad_token == "</s>" and bool((batch["input_ids"] == eos).any())
+    bare = CausalLMData(train_file=str(path), batch_size=2, prompt_column="prompt", response_column="response")
+    bare.tokenizer = _char_tokenizer()
+    with pytest.raises(ConfigError, match=rf"^the tokenizer of 'data.tokenizer' {NOTHING_TO_PAD}"):
+        bare.setup("fit")

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from peftplug.data.resumable import EpochShuffleSampler, ResumableDataLoader
 from peftplug.errors import ConfigError, DataError
 from peftplug.model_checks import position_table, virtual_tokens
+from peftplug.pad_token import ensure_pad_token
 
 
 def pad_batch(features: list[dict[str, list[int]]], pad_id: int, left: bool = False) -> dict[str, torch.Tensor]:
@@ -153,8 +154,8 @@ class TokenizedDataModule(L.LightningDataModule):
         Raises:
             ConfigError: If neither is available.
         """
-        if self.tokenizer is not None:
-            return self.tokenizer
+        if self.tokenizer is not None:  # given as an object in Python: the same pad fallback as a loaded one
+            return ensure_pad_token(self.tokenizer, "data.tokenizer")
         if self.tokenizer_name is not None:
             from peftplug.loading import load_tokenizer
 
