@@ -14,12 +14,14 @@ AVX2-only CPUs (and GPUs) never take that path. :func:`keep_exact_4bit_layout` s
 every 4-bit layer of a model (bitsandbytes then runs its portable dequantize + matmul on CPU, which has autograd),
 and refuses a model that an earlier forward already repacked: the exact weight cannot be restored from it.
 
-A third CPU fault it cannot switch off: bitsandbytes 0.50's CPU 4-bit kernels restart the quantization blocks at
-every weight row, while its quantizer lays them over the flattened weight. A layer whose ``in_features`` is not a
-multiple of the blocksize therefore computes on CPU with a scrambled weight (20-30 % off, against ~9 % for nf4
-itself). QOFT-adapted layers decode their stored weight themselves (``oftv2.bnb``); for every other such layer
-:func:`keep_exact_4bit_layout` adds a forward pre-hook that warns once per model, at the first forward that runs
-bitsandbytes' kernel on such a layer on CPU, naming the layer.
+A third CPU fault it cannot switch off: bitsandbytes 0.50's AVX512 CPU 4-bit dequantization restarts the
+quantization blocks at every weight row (for widths that are a multiple of 16), while its quantizer lays them over the
+flattened weight. A layer whose ``in_features`` is not a multiple of the blocksize therefore computes on such a CPU
+with a scrambled weight (20-30 % off, against ~9 % for nf4 itself); AVX2-only CPUs take bitsandbytes' scalar path,
+which is exact. Which one this machine takes is found by running it (:func:`cpu_dequantize_restarts_blocks`).
+QOFT-adapted layers decode their stored weight themselves where it scrambles (``oftv2.bnb``); for every other such
+layer :func:`keep_exact_4bit_layout` adds a forward pre-hook that warns once per model, at the first forward that
+runs the scrambling kernel on such a layer on CPU, naming the layer.
 
 A leaf module (it imports nothing else of peftplug, and bitsandbytes only if it is already imported: a 4-bit
 layer cannot exist otherwise), so method packages may use it.
@@ -27,6 +29,7 @@ layer cannot exist otherwise), so method packages may use it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import warnings
@@ -155,15 +158,45 @@ def _blocks_straddle_rows(layer: nn.Module) -> bool:
     return shape is not None and len(shape) == 2 and bool(blocksize) and int(shape[1]) % int(blocksize) != 0
 
 
+@functools.cache
+def cpu_dequantize_restarts_blocks(in_features: int, blocksize: int, quant_type: str) -> bool:
+    """Whether this machine's bitsandbytes CPU dequantization restarts the quantization blocks at every row of a
+    weight this wide: its AVX512 branch does, its scalar one (AVX2-only CPUs) does not.
+
+    Found once per width by running it: a two-row weight is quantized and decoded as two rows and, the same bytes,
+    as one row (where no block can restart); the two decodings differ exactly when the blocks restart.
+
+    Args:
+        in_features: The weight's row length.
+        blocksize: Its quantization blocksize.
+        quant_type: ``nf4`` or ``fp4``.
+    """
+    import copy
+
+    import torch
+    from bitsandbytes import functional as bnb_functional
+
+    weight = torch.randn(2, in_features, generator=torch.Generator().manual_seed(0))
+    packed, state = bnb_functional.quantize_4bit(weight, blocksize=blocksize, quant_type=quant_type)
+    one_row = copy.copy(state)
+    one_row.shape = torch.Size([1, 2 * in_features])
+    as_rows = bnb_functional.dequantize_4bit(packed, state)
+    return not torch.equal(as_rows, bnb_functional.dequantize_4bit(packed, one_row).reshape(as_rows.shape))
+
+
 def cpu_kernel_scrambles(layer: nn.Module, x: object) -> bool:
     """Whether bitsandbytes 0.50's CPU kernel would compute ``layer(x)`` with a scrambled weight: ``x`` on CPU, the
-    portable layout, and quantization blocks that straddle rows (the kernel restarts them at every row).
+    portable layout, quantization blocks that straddle rows, and a CPU whose kernel restarts them at every row
+    (:func:`cpu_dequantize_restarts_blocks`).
 
     Args:
         layer: A bitsandbytes ``Linear4bit``.
         x: Its input.
     """
-    return bool(getattr(x, "is_cpu", False)) and not is_repacked(layer) and _blocks_straddle_rows(layer)
+    if not (getattr(x, "is_cpu", False) and not is_repacked(layer) and _blocks_straddle_rows(layer)):
+        return False
+    state = layer.weight.quant_state
+    return cpu_dequantize_restarts_blocks(int(state.shape[1]), int(state.blocksize), str(state.quant_type))
 
 
 class _StraddlingBlocks:
