@@ -158,6 +158,9 @@ def test_saved_adapters_reload_in_a_fresh_process(tmp_path, run_fresh, kind):
         import {package}
         from peft import PeftModel
         from peftplug.tiny import tiny_model
+        # One thread, as for the reference (conftest's _single_thread): bit-equal needs the same reduction order,
+        # and on a 2-core AVX2 CPU two threads put the logits 1.5e-7 off.
+        torch.set_num_threads(1)
         reference = torch.load({str(tmp_path / "reference.pt")!r})
         diffs = []
         for folder in ({str(tmp_path / "final")!r}, {str(checkpoint)!r}):
