@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 LAST = "last.ckpt"
@@ -64,11 +65,16 @@ def abort_status(stop: SystemExit) -> int | None:
 
     Lightning answers a ``KeyboardInterrupt`` during ``fit``/``validate``/``test``/``predict`` by tearing down and
     calling ``exit(1)`` inside its handler, so the ``SystemExit`` carries the interrupt as its ``__context__``; a
-    status of 1 told scripts the run had failed, where a shell reports 130 for a command Ctrl-C ended.
+    status of 1 told scripts the run had failed, where a shell reports 130 for a command Ctrl-C ended. A SIGTERM that
+    :class:`GracefulInterrupt` does not handle (``validate``/``test``/``predict``, a fit's sanity check) sets
+    Lightning's flag, on which its loops raise ``SIGTERMException``: a ``SystemExit`` without a code, status 0, as if
+    the command had finished.
 
     Args:
         stop: The ``SystemExit`` that ended the command.
     """
+    if isinstance(stop, SIGTERMException):
+        return 128 + int(signal.SIGTERM)
     interrupt = stop.__context__
     if stop.code != 1 or not isinstance(interrupt, KeyboardInterrupt):
         return None
@@ -234,6 +240,17 @@ class GracefulInterrupt(Callback):
                 self.signal_received = signal.SIGTERM
             self._write_checkpoint(trainer)
         self._restore_handlers()
+
+    def on_predict_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                             dataloader_idx: int = 0) -> None:
+        """Ends ``predict`` after the batch in which a SIGTERM came, as Lightning's other loops do.
+
+        Lightning's SIGTERM handler only sets a flag, which its prediction loop never reads: ``kill PID`` was
+        ignored until every batch was predicted. The ``SIGTERMException`` it raises elsewhere exits 143 here too
+        (:func:`abort_status`).
+        """
+        if getattr(trainer, "received_sigterm", False):
+            raise SIGTERMException
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Gives SIGINT and SIGTERM back if training ended by an exception."""

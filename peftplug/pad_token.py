@@ -25,7 +25,8 @@ def ensure_pad_token(tokenizer: Any, name: str) -> Any:
 
     Args:
         tokenizer: A Hugging Face tokenizer; its ``pad_token`` is set in place when it has none.
-        name: The model name or path it was loaded from, for the message.
+        name: The model name or path it was loaded from, or for an object given in Python the setting that
+            holds it (``data.tokenizer``, ``model.tokenizer``), for the message.
 
     Returns:
         ``tokenizer``, whose ``pad_token_id`` is an id of its vocabulary.

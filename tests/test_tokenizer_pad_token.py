@@ -142,13 +142,48 @@ def test_a_tokenizer_object_given_to_a_data_module_gets_the_same_fallback(tmp_pa
 
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"prompt": "Q", "response": " x" * n}) + "\n" for n in (1, 3)))
-    data = CausalLMData(train_file=str(path), batch_size=2, prompt_column="prompt", response_column="response")
+    # A validation file of its own: the training split keeps both rows, so its one batch is padded (rows end with
+    # eos anyway, so only the padded positions tell the stand-in was used).
+    rows = {"train_file": str(path), "validation_file": str(path), "prompt_column": "prompt",
+            "response_column": "response", "batch_size": 2}
+    data = CausalLMData(**rows)
     data.tokenizer = _char_tokenizer(("</s>",), eos_token="</s>")
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     eos = data.tokenizer.convert_tokens_to_ids("</s>")
-    assert data.tokenizer.pad_token == "</s>" and bool((batch["input_ids"] == eos).any())
-    bare = CausalLMData(train_file=str(path), batch_size=2, prompt_column="prompt", response_column="response")
+    padded = batch["attention_mask"] == 0
+    assert data.tokenizer.pad_token == "</s>" and bool(padded.any()), batch
+    assert bool((batch["input_ids"][padded] == eos).all()), batch
+    bare = CausalLMData(**rows)
     bare.tokenizer = _char_tokenizer()
     with pytest.raises(ConfigError, match=rf"^the tokenizer of 'data.tokenizer' {NOTHING_TO_PAD}"):
         bare.setup("fit")
+
+
+def test_a_tokenizer_object_set_on_the_module_gets_the_same_fallback(tmp_path):
+    """A data module without a tokenizer of its own borrows the module's; one assigned in Python (``module.tokenizer =
+    tok``, for a model passed as an object) skipped the fallback: ``pad_batch`` got pad id None at the first batch."""
+    import json
+
+    import lightning as L
+
+    from peftplug.data import CausalLMData
+    from peftplug.lightning import PeftModule
+    from peftplug.tiny import tiny_model
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "Q", "response": " x" * n}) + "\n" for n in (1, 3)))
+
+    def fit(tokenizer) -> PeftModule:
+        module = PeftModule(tiny_model("llama"), peft=LORA)
+        module.tokenizer = tokenizer
+        data = CausalLMData(train_file=str(path), validation_file=str(path), batch_size=2, prompt_column="prompt",
+                            response_column="response")  # both rows in one training batch, padded
+        L.Trainer(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=0, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False).fit(module, datamodule=data)
+        return module
+
+    assert fit(_char_tokenizer(("</s>",), eos_token="</s>")).tokenizer.pad_token == "</s>"
+    with pytest.raises(ConfigError, match=rf"^the tokenizer of 'model.tokenizer' {NOTHING_TO_PAD}"):
+        fit(_char_tokenizer())

@@ -152,7 +152,8 @@ class TokenizedDataModule(L.LightningDataModule):
         """The tokenizer: loaded from the ``tokenizer`` setting, else borrowed from the trainer's module (once).
 
         Raises:
-            ConfigError: If neither is available.
+            ConfigError: If neither is available, or the tokenizer has no token to pad with
+                (:func:`peftplug.pad_token.ensure_pad_token`).
         """
         if self.tokenizer is not None:  # given as an object in Python: the same pad fallback as a loaded one
             return ensure_pad_token(self.tokenizer, "data.tokenizer")
@@ -166,7 +167,8 @@ class TokenizedDataModule(L.LightningDataModule):
 
                 check_tokenizer_fits(model, self.tokenizer, "data.tokenizer")
         elif getattr(self._module(), "tokenizer", None) is not None:
-            self.tokenizer = self._module().tokenizer
+            # The module's: loaded by name (already checked), or assigned in Python (``module.tokenizer = tok``).
+            self.tokenizer = ensure_pad_token(self._module().tokenizer, "model.tokenizer")
         else:
             raise ConfigError("data.tokenizer is not set and the model has no tokenizer to borrow")
         return self.tokenizer
