@@ -166,22 +166,11 @@ class Generator:
             max_new_tokens: Tokens to generate at most.
 
         Raises:
-            PositionError: Naming both lengths and the limit.
+            PositionError: (:mod:`peftplug.model_checks`) Naming both lengths and the limit.
         """
-        from peftplug.model_checks import position_table, virtual_tokens
+        from peftplug.model_checks import check_generation_positions
 
-        table = position_table(self.module.model)
-        limit = None if table is None else table[1]
-        # Prompt-learning adapters (prompt tuning, PCT, prefix ...) put their virtual tokens before the prompt.
-        virtual = virtual_tokens(self.module.model)
-        if limit is not None and virtual + prompt_tokens + max_new_tokens > limit:
-            extra = f" after the adapter's {virtual} virtual tokens" if virtual else ""
-            raise PositionError(f"the prompt is {prompt_tokens} tokens{extra} and --max_new_tokens {max_new_tokens}, "
-                              f"but the model has {limit} positions: shorten the prompt or lower --max_new_tokens")
-
-
-class PositionError(ConfigError):
-    """A prompt that, with the tokens to generate, does not fit the model's position table."""
+        check_generation_positions(self.module.model, prompt_tokens, max_new_tokens, "--max_new_tokens")
 
 
 # The smallest sampling temperature: below it, logits / temperature overflow fp32 to inf and torch's multinomial
@@ -237,6 +226,9 @@ def chat_loop(generator: Generator, max_new_tokens: int, temperature: float, std
         stdout: Where prompts and answers go.
         seed: Seed of the sampling (``--seed``), set before every answer.
     """
+    # Imported here: model_checks imports torch, which `peftplug chat --help` should not wait for.
+    from peftplug.model_checks import PositionError
+
     history: list[dict[str, Any]] = []
     while True:
         stdout.write("you> ")

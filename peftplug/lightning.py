@@ -36,12 +36,12 @@ from peftplug.loading import (
     load_model,
     load_tokenizer,
 )
-from peftplug.model_checks import check_tokenizer_fits
+from peftplug.model_checks import check_generation_positions, check_tokenizer_fits
 from peftplug.module_args import check_adapter_target, check_factories, own_peft_spec, peft_hparams
 from peftplug.nonfinite_steps import SkipsNonFiniteSteps
 from peftplug.parameter_report import parameter_report
 from peftplug.peft_type_support import check_peft_type_support
-from peftplug.prompt_generation import generate_new_tokens
+from peftplug.prompt_generation import generate_encoder_decoder, generate_new_tokens
 from peftplug.quantized_layout import keep_exact_4bit_layout
 from peftplug.resume import (
     RNG_KEY,
@@ -273,15 +273,19 @@ class PeftModule(EvaluationSums, SkipsNonFiniteSteps, L.LightningModule):
         inputs = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
         if self.task in CLASSIFICATION_TASKS:
             return self(**inputs).logits.argmax(-1)
+        ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask", None)
+        if "gen_input_ids" in batch:
+            ids, mask = batch["gen_input_ids"], batch["gen_attention_mask"]
+        mask = torch.ones_like(ids) if mask is None else mask
+        # Past a learned position table (GPT-2's, BART's decoder's) generate stopped with an IndexError mid-run.
+        check_generation_positions(self.model, ids.shape[1], self.hparams.max_new_tokens, "model.max_new_tokens")
         if self.task == "causal_lm":
-            ids, mask = ((batch["gen_input_ids"], batch["gen_attention_mask"]) if "gen_input_ids" in batch
-                         else (inputs["input_ids"], inputs.get("attention_mask")))
-            mask = torch.ones_like(ids) if mask is None else mask
             if self.tokenizer is not None:
                 return self.generate_texts(ids, mask)
             return generate_new_tokens(self.model, ids, mask, max_new_tokens=self.hparams.max_new_tokens,
                                        do_sample=False)
-        generated = self.model.generate(**inputs, max_new_tokens=self.hparams.max_new_tokens, do_sample=False)
+        generated = generate_encoder_decoder(self.model, ids, mask, **inputs,
+                                             max_new_tokens=self.hparams.max_new_tokens, do_sample=False)
         if self.tokenizer is None:
             return generated
         return self.tokenizer.batch_decode(generated, skip_special_tokens=True)

@@ -109,3 +109,85 @@ def virtual_tokens(model: torch.nn.Module) -> int:
     """
     config = getattr(model, "active_peft_config", None)
     return (getattr(config, "num_virtual_tokens", 0) or 0) if getattr(config, "is_prompt_learning", False) else 0
+
+
+def _is_encoder_decoder(model: torch.nn.Module) -> bool:
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return bool(getattr(getattr(lm, "config", None), "is_encoder_decoder", False))
+
+
+def decoder_position_table(model: torch.nn.Module) -> tuple[str, int] | None:
+    """``(name, positions)`` of an encoder-decoder model's decoder position table (BART's, mBART's, Marian's
+    ``model.decoder.embed_positions``), or ``None`` (decoder-only models; T5, whose positions are relative).
+
+    :func:`position_table` finds the encoder's table first; the decoder's bounds the targets and the generated tokens,
+    whose length owes nothing to the encoder input's.
+
+    Args:
+        model: The (possibly PEFT-wrapped) model.
+    """
+    if not _is_encoder_decoder(model):
+        return None
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if isinstance(module, torch.nn.Embedding) and parts[-1] in POSITION_TABLES and "decoder" in parts:
+            return name, module.num_embeddings - getattr(module, "offset", 0)
+    return None
+
+
+def decoder_virtual_tokens(model: torch.nn.Module) -> int:
+    """How many positions of an encoder-decoder model's decoder the active prompt-learning adapter takes: a prefix
+    (prefix tuning) is the decoder's cache before its first token; prompt tuning, p-tuning and PCT put their virtual
+    tokens on the encoder only (0 for them, for other adapters, bare models and decoder-only models).
+
+    Args:
+        model: The (possibly PEFT-wrapped) model.
+    """
+    if not _is_encoder_decoder(model):
+        return 0
+    config = getattr(model, "active_peft_config", None)
+    kind = str(getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", None)))
+    return virtual_tokens(model) if kind in ("PREFIX_TUNING", "CARTRIDGE") else 0
+
+
+class PositionError(ConfigError):
+    """A prompt that, with the tokens to generate, does not fit the model's position table."""
+
+
+def check_generation_positions(model: torch.nn.Module, prompt_tokens: int, max_new_tokens: int,
+                               setting: str) -> None:
+    """Refuses a generation that would run past a learned position table, where it stopped with ``IndexError: index
+    out of range in self`` deep in the embedding (GPT-2's 1024 positions, BART's 1024 in its decoder).
+
+    A decoder-only model reads the adapter's virtual tokens, the prompt and the new tokens on one table; an
+    encoder-decoder model reads the prompt (after the virtual tokens) on its encoder's, and its start token and all
+    but the last new token (after a prefix-tuning prefix) on its decoder's.
+
+    Args:
+        model: The (possibly PEFT-wrapped) model.
+        prompt_tokens: Tokens of the longest prompt.
+        max_new_tokens: Tokens to generate at most.
+        setting: The setting of ``max_new_tokens`` as the user writes it (``--max_new_tokens``,
+            ``model.max_new_tokens``).
+
+    Raises:
+        PositionError: Naming the lengths, the limit and what to lower.
+    """
+    table, virtual = position_table(model), virtual_tokens(model)
+    extra = f" after the adapter's {virtual} virtual tokens" if virtual else ""
+    decoder = decoder_position_table(model)
+    if decoder is None:
+        if table is not None and virtual + prompt_tokens + max_new_tokens > table[1]:
+            raise PositionError(f"the prompt is {prompt_tokens} tokens{extra} and {setting} {max_new_tokens}, but the "
+                                f"model has {table[1]} positions: shorten the prompt or lower {setting}")
+        return
+    prefix = decoder_virtual_tokens(model)  # a prefix is the decoder's, not the encoder's
+    encoder_extra = f" after the adapter's {virtual} virtual tokens" if virtual and not prefix else ""
+    if table is not None and virtual - prefix + prompt_tokens > table[1]:
+        raise PositionError(f"the prompt is {prompt_tokens} tokens{encoder_extra}, but the model's encoder has "
+                            f"{table[1]} positions: shorten the prompt")
+    name, limit = decoder
+    if prefix + max_new_tokens > limit:
+        after = f" after the adapter's {prefix}-token prefix" if prefix else ""
+        raise PositionError(f"{setting} is {max_new_tokens}{after}, but the model's decoder has {limit} positions "
+                            f"({name}): lower {setting} to {limit - prefix} or less")

@@ -15,13 +15,14 @@ import pytest
 import torch
 import yaml
 from peft import LoraConfig
+from seq2seq_helpers import shaken, tiny_bart
 
 import oftv2
 from peftplug.data import CausalLMData
 from peftplug.data.base import pad_batch
 from peftplug.errors import ConfigError, DataError
 from peftplug.lightning import PeftModule
-from peftplug.tiny import CHAR_VOCAB_SIZE, char_tokenizer, tiny_model
+from peftplug.tiny import char_tokenizer, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -44,29 +45,6 @@ def _data(path, tokenizer, **kw) -> CausalLMData:
     data.tokenizer = tokenizer
     data.setup("fit")
     return data
-
-
-def _shaken(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
-    """The model with seeded noise on every weight: a freshly initialised tiny model answers with padding only."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * param.std().clamp(min=0.05))
-    return model
-
-
-def _tiny_bart() -> torch.nn.Module:
-    """A tiny BART (learned absolute positions: padding on the wrong side would change its answers)."""
-    from transformers import BartConfig, BartForConditionalGeneration
-
-    config = BartConfig(vocab_size=CHAR_VOCAB_SIZE, d_model=32, encoder_layers=1, decoder_layers=1,
-                        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                        decoder_start_token_id=2, forced_eos_token_id=None, forced_bos_token_id=None,
-                        init_std=0.5)  # wide weights: answers of several tokens, not EOS at once
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return BartForConditionalGeneration(config).eval()
 
 
 def test_labels_loss_and_val_ppl_match_the_model_on_unpadded_rows(tmp_path):
@@ -145,7 +123,7 @@ def test_data_task_must_match_the_model_task(tmp_path, model, model_task, data_t
 
 def test_predict_right_pads_encoder_inputs_and_answers_each_row_as_alone(tmp_path):
     # BART's positions are absolute: left padding would shift every real token's position and change the answers.
-    module = PeftModule(_tiny_bart(), task="seq2seq", max_new_tokens=8,
+    module = PeftModule(tiny_bart(), task="seq2seq", max_new_tokens=8,
                         peft=LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).eval()
     data = _data(_write(tmp_path / "p.jsonl", ROWS), char_tokenizer(), batch_size=3)
     batches = list(data.predict_dataloader())
@@ -164,7 +142,7 @@ def test_predict_right_pads_encoder_inputs_and_answers_each_row_as_alone(tmp_pat
 
 
 def test_prompt_tuning_puts_virtual_tokens_on_the_encoder_and_predicts_as_greedy_decoding(tmp_path):
-    module = PeftModule(_shaken(tiny_model("t5", "seq2seq")), task="seq2seq", tokenizer="tiny:t5", max_new_tokens=6,
+    module = PeftModule(shaken(tiny_model("t5", "seq2seq")), task="seq2seq", tokenizer="tiny:t5", max_new_tokens=6,
                         peft=peft.PromptTuningConfig(task_type="SEQ_2_SEQ_LM", num_virtual_tokens=3)).eval()
     with torch.no_grad():
         for param in module.model.prompt_encoder.parameters():

@@ -22,7 +22,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from peftplug.data.resumable import EpochShuffleSampler, ResumableDataLoader
 from peftplug.errors import ConfigError, DataError
-from peftplug.model_checks import position_table, virtual_tokens
+from peftplug.model_checks import (
+    decoder_position_table,
+    decoder_virtual_tokens,
+    position_table,
+    virtual_tokens,
+)
 from peftplug.pad_token import ensure_pad_token
 
 
@@ -214,17 +219,23 @@ class TokenizedDataModule(L.LightningDataModule):
         model = getattr(self._module(), "model", None)
         if not isinstance(model, torch.nn.Module) or not self.splits[split]:
             return
-        table = position_table(model)
-        if table is None:  # rotary or relative positions: no table to run past
-            return
-        (name, limit), virtual = table, virtual_tokens(model)  # prompt learning puts its tokens before the row
-        longest = max(len(row.get("input_ids") or ()) for row in self.splits[split])
-        if longest + virtual > limit:
-            raise DataError(
-                f"the {split} split has rows of {longest} tokens{f' + {virtual} virtual' if virtual else ''}, but "
-                f"the model's learned position table ({name}) holds {limit} positions: set data.max_length to "
-                f"{limit - virtual} or less"
-            )
+        # An encoder-decoder's targets (BART's) run on its decoder's table: long answers to short prompts stopped
+        # the first such batch with the same IndexError. A prefix (prefix tuning) is the decoder's, not the encoder's.
+        decoder, prefix = decoder_position_table(model), decoder_virtual_tokens(model)
+        checks = [(position_table(model), "input_ids", "rows", virtual_tokens(model) - prefix)]
+        if decoder is not None:
+            checks.append((decoder, "labels", "targets", prefix))
+        for table, key, kind, virtual in checks:
+            if table is None:  # rotary or relative positions: no table to run past
+                continue
+            name, limit = table
+            longest = max(len(row[key]) if isinstance(row.get(key), list) else 0 for row in self.splits[split])
+            if longest + virtual > limit:
+                raise DataError(
+                    f"the {split} split has {kind} of {longest} tokens{f' + {virtual} virtual' if virtual else ''}, "
+                    f"but the model's learned position table ({name}) holds {limit} positions: set data.max_length "
+                    f"to {limit - virtual} or less"
+                )
 
     def _eval_ranks(self) -> dict[str, int] | None:
         """``num_replicas`` and ``rank`` to shard evaluation over, or ``None`` on one rank (or when Lightning is

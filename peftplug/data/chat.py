@@ -195,6 +195,10 @@ class ChatData(TokenizedDataModule):
         """
         if self.splits:
             return
+        # Chat rows hold the answer in input_ids: a seq2seq model (T5) trained to copy it from its encoder input,
+        # silently, until validation stopped in generate with a traceback.
+        self.check_model_task("causal_lm", "for a seq2seq model peftplug.data.CausalLMData with prompt_column and "
+                              "response_column, for a classification head peftplug.data.TextClassificationData")
         tokenizer = self.resolve_tokenizer()
         self._row_sources = {}
         for split, rows in self.load_rows().items():
