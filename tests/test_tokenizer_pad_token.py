@@ -15,6 +15,7 @@ from pathlib import Path
 import lightning  # noqa: F401  (imported before capsys swaps stderr: Lightning's log handler binds to it)
 import pytest
 import yaml
+from test_first_hour import _error_line
 from tiny_recipes import causal_recipe
 
 from peftplug.cli import main
@@ -51,15 +52,6 @@ def folders(tmp_path_factory):
         tiny_model("llama").save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
     return {name: str(root / name) for name in tokenizers}
-
-
-def _error_line(capsys, code: int) -> str:
-    """Exit status 2 and exactly one ``peftplug: error:`` line, no traceback."""
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = [line for line in err.splitlines() if line.startswith("peftplug: error: ")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def test_fit_refuses_a_tokenizer_with_nothing_to_pad_with(folders, tmp_path, capsys):
