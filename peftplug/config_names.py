@@ -167,6 +167,17 @@ def _type_name(annotation: Any) -> str:
     return re.sub(r"\b(?:[a-z_]\w*\.)+(?=[A-Za-z_]\w*)", "", str(annotation))
 
 
+def _field_types(cls: type) -> dict[str, Any]:
+    """The resolved field annotations of a dataclass; empty for another class or an annotation that does not
+    resolve (the checks then leave the values to the class)."""
+    if not dataclasses.is_dataclass(cls):
+        return {}
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001  (any error of a foreign annotation: the class checks its values itself)
+        return {}
+
+
 def check_init_types(cls: type, values: dict, field: str) -> None:
     """Refuses a value whose type does not fit the dataclass field it sets, in one line naming the field
     (``model.peft.init_args.r``) and its type: PEFT's configs do not check, and a string ``r`` surfaced as a
@@ -180,11 +191,8 @@ def check_init_types(cls: type, values: dict, field: str) -> None:
     Raises:
         ConfigError: For the first value that does not fit.
     """
-    if not dataclasses.is_dataclass(cls):
-        return
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:  # noqa: BLE001  (an annotation that does not resolve: leave the check to the class)
+    hints = _field_types(cls)
+    if not hints:
         return
     # A null is fine where the field's own default is None, whatever its annotation says (PEFT's token_dim: int = None).
     none_defaults = {f.name for f in dataclasses.fields(cls) if f.default is None}
@@ -245,10 +253,7 @@ def check_init_values(cls: type, values: dict, field: str) -> None:
     # Only PEFT's own configs: peftplug's (OFTv2, PCT, steering) check their values themselves, with their ranges.
     if not dataclasses.is_dataclass(cls) or not cls.__module__.startswith("peft."):
         return
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:  # noqa: BLE001  (an annotation that does not resolve: leave the check to the class)
-        hints = {}
+    hints = _field_types(cls)
     for key, value in values.items():
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         try:
