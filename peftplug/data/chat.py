@@ -42,6 +42,7 @@ from peftplug.data.conversations import (
 )
 from peftplug.data.files import ROW_SOURCE, RowErrors, check_val_fraction, row_text
 from peftplug.errors import ConfigError, DataError
+from peftplug.model_checks import position_table, virtual_tokens
 
 # Placeholders of the former single-exchange splitter, kept for scripts that imported them.
 _USER, _ASSISTANT = "\x00PEFTPLUG_USER\x00", "\x00PEFTPLUG_ASSISTANT\x00"
@@ -252,6 +253,44 @@ class ChatData(TokenizedDataModule):
         batch["gen_input_ids"], batch["gen_attention_mask"] = prompts["input_ids"], prompts["attention_mask"]
         batch["gen_answers"] = [f["answer_text"] for f in features]
         return batch
+
+    def _check_positions(self, split: str) -> None:
+        """Also refuses evaluation prompts that leave no room for ``model.max_new_tokens`` in a learned position
+        table: validation generates every answer after its prompt, and past GPT-2's 1024 positions that stopped the
+        first long batch with ``IndexError: index out of range in self`` in ``generate``. The training loader checks
+        the validation split too, so that a run that will validate is refused before it trains.
+
+        Args:
+            split: The split about to be loaded.
+        """
+        super()._check_positions(split)
+        trainer = getattr(self, "trainer", None)
+        validates = trainer is not None and getattr(trainer, "limit_val_batches", 0) not in (0, 0.0)
+        for evaluated in ([split] if split != "train" else ["validation"] if validates else []):
+            self._check_generation_room(evaluated)
+
+    def _check_generation_room(self, split: str) -> None:
+        module = self._module()
+        model = getattr(module, "model", None)
+        max_new = getattr(getattr(module, "hparams", None), "max_new_tokens", None)
+        if (not isinstance(model, torch.nn.Module) or not isinstance(max_new, int) or not self.splits.get(split)
+                or getattr(module, "tokenizer", None) is None):  # no tokenizer: validation generates nothing
+            return
+        table = position_table(model)
+        if table is None:  # rotary or relative positions
+            return
+        (name, limit), virtual = table, virtual_tokens(model)
+        longest = max(len(example["prompt_ids"]) for example in self.splits[split])
+        if virtual + longest + max_new <= limit:
+            return
+        fixes = [f"data.max_length to {limit - virtual - max_new}"] if limit - virtual - max_new > 0 else []
+        if limit - virtual - longest > 0:
+            fixes.append(f"model.max_new_tokens to {limit - virtual - longest}")
+        raise DataError(
+            f"the {split} split has prompts of {longest} tokens{f' + {virtual} virtual' if virtual else ''} and "
+            f"evaluation generates model.max_new_tokens={max_new} after each, but the model's learned position "
+            f"table ({name}) holds {limit} positions: lower {' or '.join(fixes) or 'data.max_length'}"
+        )
 
     def val_dataloader(self) -> DataLoader:
         """Validation batches, with generation prompts and answers."""
