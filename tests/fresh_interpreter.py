@@ -30,7 +30,7 @@ PRELOAD = ("torch", "numpy", "safetensors", "transformers", "peft", "lightning",
 FIRST_PARTY = ("peftplug", "peftplug_kernels", "oftv2", "helene", "prompt_transfer", "steering")
 
 _SERVER = r'''
-import atexit, json, os, runpy, sys, traceback
+import atexit, json, os, runpy, sys, tempfile, traceback
 preload, first_party = json.loads(sys.argv[1]), tuple(json.loads(sys.argv[2]))
 for name in preload:
     __import__(name)
@@ -48,6 +48,9 @@ def child(req):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     os.environ.clear()
     os.environ.update(req["env"])
+    # The preloaded packages made tempfile settle on the server's temporary folder: the child reads its own TMPDIR,
+    # as a new interpreter would.
+    tempfile.tempdir = None
     os.chdir(req["cwd"])
     script = req["script"]
     extra = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -4,24 +4,19 @@ a process that uses one leaves no ``/tmp/peftplug-*`` folder behind."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
-SCRIPT = ("from peftplug.loading import resolve_model_path; "
-          "print(resolve_model_path('tiny:llama')); print(resolve_model_path('tiny:bert'))")
-
-
-def _run(tmp, cache):
-    env = {**os.environ, "TMPDIR": str(tmp), "PEFTPLUG_CACHE": str(cache)}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300,
-                          check=True)
-    return done.stdout.split()
+SCRIPT = """
+import os
+os.environ.update(TMPDIR={tmp!r}, PEFTPLUG_CACHE={cache!r})
+from peftplug.loading import resolve_model_path
+print(resolve_model_path('tiny:llama')); print(resolve_model_path('tiny:bert'))
+"""
 
 
-def test_processes_reuse_one_folder_and_leave_no_temporary_one(tmp_path):
+def test_processes_reuse_one_folder_and_leave_no_temporary_one(tmp_path, run_fresh):
     tmp, cache = tmp_path / "tmp", tmp_path / "cache"
     tmp.mkdir()
-    first, second = _run(tmp, cache), _run(tmp, cache)
+    first, second = (run_fresh(SCRIPT.format(tmp=str(tmp), cache=str(cache))).stdout.split() for _ in range(2))
     assert first == second and len(set(first)) == 2
     assert all(path.startswith(str(cache / "built")) for path in first)
     assert list(tmp.iterdir()) == []

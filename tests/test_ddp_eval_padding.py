@@ -5,24 +5,23 @@ first rows, and those repeats used to be counted: 5 validation rows on 2 ranks g
 twice). The evaluation loaders of :class:`peftplug.data.base.TokenizedDataModule` now shard the data themselves,
 padding with masked copies of rows (no loss, no answer) that :class:`peftplug.lightning.PeftModule` does not count.
 
-The 2-process runs are real: two spawned interpreters, launched the way ``torchrun`` launches them (``LOCAL_RANK``
-etc. in the environment, one gloo process group), each running ``trainer.validate`` with ``strategy="ddp"`` (and
-``ModelParallelStrategy``, FSDP2) and ``devices=2`` for every data module in turn, so that the interpreters start
-once. Their metrics must equal those of one process on the same data, and the rows the ranks saw must be the
-split's rows, each once.
+The 2-process runs are real: two processes forked from a fresh interpreter (tests/gloo_ranks.py), set up the way
+``torchrun`` launches them (``LOCAL_RANK`` etc. in the environment, one gloo process group), each running
+``trainer.validate`` with ``strategy="ddp"`` (and ``ModelParallelStrategy``, FSDP2) and ``devices=2`` for every data
+module in turn, so that the processes start once. Their metrics must equal those of one process on the same data,
+and the rows the ranks saw must be the split's rows, each once.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import warnings
 
 import lightning as L
 import pytest
 import torch
-import torch.multiprocessing as mp
+from gloo_ranks import free_port, run_ranks
 from peft import LoraConfig
 from torch.utils.data import DistributedSampler
 
@@ -151,19 +150,13 @@ def _rank_main(rank: int, root: str, port: int) -> None:
     torch.save(results, Path(root) / f"rank{rank}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(one-process results, [rank 0's, rank 1's] results) of every case."""
+def runs(tmp_path_factory, zygote):
+    """(one-process results, [rank 0's, rank 1's] results) of every case (two ranks: tests/gloo_ranks.py)."""
     root = tmp_path_factory.mktemp("ddp_eval")
     _write_data(root)
     single = {name: _validate(*_case(name, root), name, devices=1) for name in CASES if not name.startswith("fsdp2")}
-    mp.start_processes(_rank_main, args=(str(root), _free_port()), nprocs=2, start_method="spawn")
+    run_ranks(zygote, _rank_main, (str(root), free_port()))
     return single, [torch.load(root / f"rank{r}.pt") for r in (0, 1)]
 
 

@@ -5,9 +5,6 @@ would leave a new folder per process), and an unknown family names the known one
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -39,7 +36,7 @@ def test_every_family_loads_and_runs():
         assert torch.isfinite(out.logits).all(), family
 
 
-def test_weights_are_the_same_in_every_process_and_leave_the_global_rng_alone():
+def test_weights_are_the_same_in_every_process_and_leave_the_global_rng_alone(run_fresh):
     torch.manual_seed(123)
     before = torch.rand(3)
     torch.manual_seed(123)
@@ -50,9 +47,8 @@ def test_weights_are_the_same_in_every_process_and_leave_the_global_rng_alone():
             digest.update(name.encode() + tensor.contiguous().numpy().tobytes())
         here[family] = digest.hexdigest()
     assert torch.equal(torch.rand(3), before)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", _DIGEST], env=env, capture_output=True, text=True, timeout=300,
-                          check=True)
+    # Another process (its own hash seed and RNG state): a child of the fork server (tests/fresh_interpreter.py).
+    done = run_fresh(_DIGEST)
     assert dict(line.split() for line in done.stdout.splitlines()) == here
     assert len(set(here.values())) == len(FAMILIES)
 

@@ -8,25 +8,20 @@ wrong after every validation (3 ZOSGD steps of a steering vector on 2 ranks, val
 ended 0.08 away from the run without validation, whose largest entry was 0.13; under DDP the two runs are equal).
 :func:`peftplug.sharding.zeroth_order_loss` now reshards every unit before its forward too.
 
-Two gloo processes (one rank gathers nothing stale: its "gathered" parameters are its shards).
+Two gloo processes (one rank gathers nothing stale: its "gathered" parameters are its shards), forked from a fresh
+process (tests/gloo_ranks.py).
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from gloo_ranks import free_port, run_ranks
 
 pytest.importorskip("torch.distributed.fsdp")
-REPO = Path(__file__).resolve().parents[1]
 
 WORKER = r'''
-import copy, os, sys
-import torch, torch.distributed as dist, torch.multiprocessing as mp
+import copy, os
+import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from peft import get_peft_model
 from steering import SteeringConfig  # registers the STEERING adapter type
@@ -57,25 +52,13 @@ def worker(rank, world, port, out):
     torch.save({"first": first, "again": again, "expected": expected}, f"{out}.{rank}")
     dist.destroy_process_group()
     os._exit(0)  # torch's gloo threads may abort the interpreter's teardown (tests/helene/test_ddp.py)
-
-if __name__ == "__main__":
-    port, out = int(sys.argv[1]), sys.argv[2]
-    mp.spawn(worker, args=(2, port, out), nprocs=2, join=True)
 '''
 
 
-def test_zeroth_order_forward_after_a_validation_forward_sees_the_perturbed_shards(tmp_path):
+def test_zeroth_order_forward_after_a_validation_forward_sees_the_perturbed_shards(tmp_path, zygote):
     import torch
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script), str(port), str(tmp_path / "out")], cwd=REPO, timeout=240,
-                          capture_output=True, text=True, env=env, check=False)
-    assert proc.returncode == 0, f"gloo workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run_ranks(zygote, WORKER, (2, free_port(), str(tmp_path / "out")))
     for rank in (0, 1):
         result = torch.load(tmp_path / f"out.{rank}")
         # The unsharded model with the same perturbation: what the first forward must compute (before the fix it

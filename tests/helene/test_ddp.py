@@ -1,19 +1,18 @@
 """Data parallel without Lightning: two gloo processes over half batches equal one process over the batch.
 
-The ranks are given different optimizer seeds, so agreement needs the broadcast step seed (FZOO: its N seeds)."""
+The ranks are given different optimizer seeds, so agreement needs the broadcast step seed (FZOO: its N seeds). The
+two processes are forked from a fresh one (tests/gloo_ranks.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from gloo_ranks import free_port, run_ranks
 
 from helene import FZOO, Helene
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = r'''
-import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+import os, torch, torch.distributed as dist
 from helene import FZOO, Helene
 
 SPECS = {SPECS_LITERAL}
@@ -42,10 +41,6 @@ def worker(rank, world, port, out):
     # Leave without the interpreter's teardown: there torch 2.13's gloo threads sometimes abort the process
     # ("terminate called without an active exception", SIGABRT) after everything above has finished and been saved.
     os._exit(0)
-
-if __name__ == "__main__":
-    port, out = int(sys.argv[1]), sys.argv[2]
-    mp.spawn(worker, args=(2, port, out), nprocs=2, join=True)
 '''
 
 
@@ -56,24 +51,12 @@ OPTIMIZERS = {
 
 
 @pytest.fixture(scope="module")
-def gloo_runs(tmp_path_factory) -> str:
-    """Both optimizers trained by one pair of gloo processes (one launch: each costs a fresh import of torch);
-    returns the prefix of their ``<prefix>.<name>.<rank>`` result files."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def gloo_runs(tmp_path_factory, zygote) -> str:
+    """Both optimizers trained by one pair of gloo processes; returns the prefix of their
+    ``<prefix>.<name>.<rank>`` result files."""
     root = tmp_path_factory.mktemp("gloo")
-    script = root / "ddp_worker.py"
     specs = ", ".join(f"{name!r}: ({cls.__name__}, {kwargs!r})" for name, (cls, kwargs) in OPTIMIZERS.items())
-    script.write_text(WORKER.replace("{SPECS_LITERAL}", "{" + specs + "}"))
-    proc = subprocess.run([sys.executable, str(script), str(port), str(root / "ddp")], cwd=REPO, timeout=240,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
-    assert proc.returncode == 0, f"gloo workers failed:\n{proc.stdout}\n{proc.stderr}"
+    run_ranks(zygote, WORKER.replace("{SPECS_LITERAL}", "{" + specs + "}"), (2, free_port(), str(root / "ddp")))
     return str(root / "ddp")
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import free_port, run_ranks
 
 dist = torch.distributed
 pytestmark = [pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
@@ -106,16 +106,12 @@ def _worker(rank: int, root: str, port: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    import torch.multiprocessing as mp
-
+def runs(tmp_path_factory, zygote) -> Path:
+    """The folder of every run's checkpoints and each rank's recorded errors (two ranks: tests/gloo_ranks.py)."""
     root = tmp_path_factory.mktemp("zo_fsdp2_resume")
     rows = [{"prompt": f"{i:02d} plus {i:02d} is", "response": f" {2 * i}"} for i in range(16)]
     (root / "t.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(str(root), port), nprocs=2, start_method="spawn")
+    run_ranks(zygote, _worker, (str(root), free_port()), timeout=300)
     return root
 
 
