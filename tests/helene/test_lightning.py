@@ -108,28 +108,43 @@ class SaveRankRun(lightning.Callback):
                    f"{self.out}.{trainer.global_rank}")
 
 
-def test_ddp_two_processes_equal_one_process_over_the_global_batch(tiny_model, tmp_path):
+def _zosgd_module(tiny_model):
+    from peftplug.lightning import PeftModule
+
+    return PeftModule(tiny_model("bert", "seq_cls", seed=0, num_labels=2), task="seq_cls",
+                      optimizer=partial(ZOSGD, lr=1e-2, eps=1e-2, seed=5))
+
+
+def _ddp_rank(rank: int, out: str, port: int) -> None:
+    """One of two ranks, in the environment ``torchrun`` gives it: 3 ZOSGD steps under ``strategy="ddp"``."""
+    import os
+
+    from torch.utils.data import DataLoader
+
+    from peftplug.tiny import tiny_model
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
+                       "LOCAL_RANK": str(rank), "NODE_RANK": "0"})
+    batches = _batches(n_batches=6, size=4, seed=1)
+    _trainer(f"{out}_root", devices=2, strategy="ddp", max_steps=3, callbacks=[SaveRankRun(out)]).fit(
+        _zosgd_module(tiny_model), train_dataloaders=DataLoader(batches, batch_size=None))
+
+
+def test_ddp_two_processes_equal_one_process_over_the_global_batch(tiny_model, tmp_path, zygote):
     """One process trained on the concatenation of the two ranks' batches (as Lightning's distributed sampler
     dealt them) takes the same steps: the closure's all-reduced loss is the global-batch mean.
 
-    ``ddp_spawn`` from this process: the two ranks are spawned interpreters (each imports the stack once, side by
-    side), which costs half of a fresh ``ddp`` script that imports it once more before launching them."""
+    The two ranks are forked from a fresh process (tests/gloo_ranks.py), each in a ``torchrun`` environment."""
+    from gloo_ranks import free_port, run_ranks
     from torch.utils.data import DataLoader
 
-    from peftplug.lightning import PeftModule
-
     out = str(tmp_path / "ddp")
-    batches = _batches(n_batches=6, size=4, seed=1)
-    ddp = PeftModule(tiny_model("bert", "seq_cls", seed=0, num_labels=2), task="seq_cls",
-                     optimizer=partial(ZOSGD, lr=1e-2, eps=1e-2, seed=5))
-    _trainer(tmp_path / "ddp_root", devices=2, strategy="ddp_spawn", max_steps=3,
-             callbacks=[SaveRankRun(out)]).fit(ddp, train_dataloaders=DataLoader(batches, batch_size=None))
+    run_ranks(zygote, _ddp_rank, (out, free_port()))
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert len(r0["batches"]) == len(r1["batches"]) == 3
     assert not torch.equal(r0["batches"][0]["input_ids"], r1["batches"][0]["input_ids"])
     merged = [{k: torch.cat([a[k], b[k]]) for k in a} for a, b in zip(r0["batches"], r1["batches"])]
-    single = PeftModule(tiny_model("bert", "seq_cls", seed=0, num_labels=2), task="seq_cls",
-                        optimizer=partial(ZOSGD, lr=1e-2, eps=1e-2, seed=5))
+    single = _zosgd_module(tiny_model)
     init = [p.detach().clone() for p in single.model.parameters()]
     _trainer(tmp_path, max_steps=3).fit(single, train_dataloaders=DataLoader(merged, batch_size=None))
     for a, b in zip(r0["params"], r1["params"]):
