@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,9 +32,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(zygote: Callable, worker: Callable | str, args: tuple, nprocs: int = 2, timeout: int = 240) -> None:
+def run_ranks(zygote: Callable, worker: Callable | str, args: tuple, nprocs: int = 2,
+              timeout: int = 240) -> subprocess.CompletedProcess:
     """Runs ``worker(rank, *args)`` in ``nprocs`` ranks forked from one fresh process; fails with the ranks' output
-    if any rank fails.
+    if any rank fails, else returns the process (``stdout``/``stderr``: what the ranks printed, together).
 
     Args:
         zygote: The session's ``zygote`` fixture (tests/conftest.py).
@@ -55,3 +57,4 @@ def run_ranks(zygote: Callable, worker: Callable | str, args: tuple, nprocs: int
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = zygote().run(source + _LAUNCH.format(args=tuple(args), nprocs=nprocs), [], env, REPO, timeout)
     assert proc.returncode == 0, f"gloo ranks failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc

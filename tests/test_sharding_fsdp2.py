@@ -3,9 +3,11 @@ fit`` shards an OFTv2-adapted tiny Llama and trains it; the adapter equals a DDP
 each rank holds about half of the parameters, the one ``.ckpt`` exports (with and without ``--merge``) to exactly
 the DDP export's keys, and a resumed sharded run equals a resumed DDP run and the uninterrupted one.
 
-The strategy re-launches the command for rank 1 (Lightning's subprocess launcher), so each run is a ``peftplug``
-process of its own, as a user's would be. Each run costs about 40 s of two processes, so CI (``make test``) makes
-two, FSDP2 and DDP with AdamW (fixture ``runs``), and exports their checkpoints in this process. The rest is
+In the DDP run the strategy re-launches the command for rank 1 (Lightning's subprocess launcher), so each rank is a
+``peftplug`` process of its own, as a user's would be; the FSDP2 run of CI is launched as ``torchrun`` launches
+``peftplug fit`` (each rank's environment set, the command's entry point called in each), from two processes forked
+from one fresh interpreter: a launched run costs about 30 s of two processes' imports. CI (``make test``) makes
+those two runs, with AdamW (fixture ``runs``), and exports their checkpoints in this process. The rest is
 ``slow`` (``make test-slow``): zeroth-order HELENE under FSDP2 twice and under DDP (fixture ``zo_runs``), the
 resumed runs, and QOFT on an nf4 base. In CI the zeroth-order step on FSDP2 shards is covered in process by
 tests/helene/test_zo_dtensor.py (per-shard z, placements kept, bit-for-bit repeatable).
@@ -108,10 +110,30 @@ def data_root(tmp_path_factory) -> Path:
     return root
 
 
+def _torchrun_rank(rank: int, recipe: str, port: int) -> None:
+    """One rank of ``torchrun --nproc-per-node 2 peftplug fit --config <recipe>``: the environment torchrun gives
+    it, then the command's own entry point (Lightning sees the ranks launched and starts none itself)."""
+    from peftplug.cli import main
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
+                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0", "OMP_NUM_THREADS": "1",
+                       "HF_HUB_OFFLINE": "1"})
+    code = main(["fit", "--config", recipe])
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code or 0)  # no interpreter teardown: gloo's threads may abort it (tests/helene/test_ddp.py)
+
+
 @pytest.fixture(scope="module")
-def runs(data_root):
-    """Three AdamW steps of the same recipe under FSDP2 and under DDP."""
-    return data_root, _fits(data_root, (("fsdp2", FSDP2, ADAMW), ("ddp", "ddp", ADAMW)))
+def runs(data_root, zygote):
+    """Three AdamW steps of the same recipe under DDP, launched as a user's ``peftplug fit`` (Lightning starts rank
+    1), and under FSDP2, launched as ``torchrun`` would (two ranks forked from one fresh process:
+    tests/gloo_ranks.py; a second command launch would cost ~30 s of imports)."""
+    from gloo_ranks import free_port, run_ranks
+
+    logs = _fits(data_root, (("ddp", "ddp", ADAMW),))
+    proc = run_ranks(zygote, _torchrun_rank, (str(_recipe(data_root, "fsdp2", FSDP2, 3)), free_port()), timeout=300)
+    logs["fsdp2"] = proc.stdout + proc.stderr
+    return data_root, logs
 
 
 @pytest.fixture(scope="module")
