@@ -1,6 +1,6 @@
-"""Data-parallel training on CPU: 2 processes (gloo), first-order and zeroth-order, LoRA, OFTv2 and QOFT (OFTv2 on
-an NF4 base); the adapter weights must agree across ranks afterwards (and have changed), although each rank saw
-different batches."""
+"""Data-parallel training on CPU: 2 processes (gloo, launched as ``torchrun`` launches them), first-order and
+zeroth-order, LoRA, OFTv2 and QOFT (OFTv2 on an NF4 base); the adapter weights must agree across ranks afterwards
+(and have changed), although each rank saw different batches."""
 
 from __future__ import annotations
 
@@ -43,35 +43,50 @@ def _adapter(kind: str):
         "nf4" if kind == "qoft" else "none")
 
 
-# Each row costs two spawned interpreters (~20 s here), so CI runs QOFT's alone; the rest are slow (make test-slow):
-# OFTv2's sync is QOFT's (same adapter layers, an NF4 base under them) and the FSDP2 test's DDP run trains OFTv2 too;
-# LoRA's is PEFT's own layer under the same module; zeroth-order DDP under Lightning is tests/helene/test_lightning.py's
-# global-batch test.
+def _fit_rank(rank: int, root: str, port: int, order: str, kind: str) -> None:
+    """One of two ranks in the environment ``torchrun`` gives it: 3 steps under ``strategy="ddp"``, each rank
+    building its own module and data (as each ``peftplug fit`` process of a DDP run does)."""
+    import os
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
+                       "LOCAL_RANK": str(rank), "NODE_RANK": "0"})
+    if order == "first":
+        optimizer = functools.partial(torch.optim.AdamW, lr=1e-2)
+    else:
+        optimizer = functools.partial(SPSA, lr=0.05, eps=1e-3, seed=7)
+    peft_config, quantization = _adapter(kind)
+    torch.manual_seed(0)  # LoRA's init draws from the global RNG: the same initial adapter on both ranks
+    module = PeftModule("tiny:llama", peft=peft_config, quantization=quantization, optimizer=optimizer)
+    initial = {n: p.detach().clone() for n, p in module.model.named_parameters() if p.requires_grad}
+    torch.save(initial, f"{root}/initial{rank}.pt")
+    data = CausalLMData(train_file=f"{root}/train.jsonl", validation_file=f"{root}/train.jsonl",
+                        prompt_column="prompt", response_column="response", batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, default_root_dir=root, callbacks=[SaveRankState(root)])
+    trainer.fit(module, datamodule=data)
+
+
+# Each row costs a pair of forked ranks (tests/gloo_ranks.py), so CI runs QOFT's alone; the rest are slow (make
+# test-slow): OFTv2's sync is QOFT's (same adapter layers, an NF4 base under them) and the FSDP2 test's DDP run trains
+# OFTv2 too; LoRA's is PEFT's own layer under the same module; zeroth-order DDP under Lightning is
+# tests/helene/test_lightning.py's global-batch test.
 SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize(("order", "kind"), [pytest.param("first", "lora", marks=SLOW),
                                              pytest.param("zeroth", "lora", marks=SLOW),
                                              pytest.param("first", "oftv2", marks=SLOW), ("first", "qoft")])
-def test_ddp_two_processes_keep_adapters_in_sync(tmp_path, order, kind):
-    rows = [{"prompt": f"{i:02d} plus {i:02d} is", "response": f" {2 * i}"} for i in range(16)]
-    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    if order == "first":
-        optimizer = functools.partial(torch.optim.AdamW, lr=1e-2)
-    else:
-        optimizer = functools.partial(SPSA, lr=0.05, eps=1e-3, seed=7)
+def test_ddp_two_processes_keep_adapters_in_sync(tmp_path, zygote, order, kind):
+    from gloo_ranks import free_port, run_ranks
+
     if kind == "qoft":
         pytest.importorskip("bitsandbytes")
-    peft_config, quantization = _adapter(kind)
-    module = PeftModule("tiny:llama", peft=peft_config, quantization=quantization, optimizer=optimizer)
-    initial = {n: p.detach().clone() for n, p in module.model.named_parameters() if p.requires_grad}
-    data = CausalLMData(train_file=str(tmp_path / "train.jsonl"), validation_file=str(tmp_path / "train.jsonl"),
-                        prompt_column="prompt", response_column="response", batch_size=2)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=3, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, default_root_dir=tmp_path, callbacks=[SaveRankState(str(tmp_path))])
-    trainer.fit(module, datamodule=data)
+    rows = [{"prompt": f"{i:02d} plus {i:02d} is", "response": f" {2 * i}"} for i in range(16)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    run_ranks(zygote, _fit_rank, (str(tmp_path), free_port(), order, kind))
 
+    initial = torch.load(tmp_path / "initial0.pt")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     assert ranks[0]["world"] == ranks[1]["world"] == 2
     assert ranks[0]["batches"] != ranks[1]["batches"]  # the sampler gave the ranks different data
