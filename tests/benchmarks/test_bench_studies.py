@@ -5,6 +5,11 @@ does with the committed ones)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from functools import partial
+from types import SimpleNamespace
 
 import pytest
 
@@ -58,11 +63,36 @@ def test_qoft_quick_writes_its_cpu_section_and_keeps_the_gpu_one(tmp_path):
     assert qoft.report(tmp_path / "qoft.qoft.json", page) and page.read_text() == text
 
 
-def test_llm_sft_quick_trains_and_times_on_the_tiny_llama(tmp_path, monkeypatch, capsys):
+class _ForkedModule:
+    """What ``llm_sft`` asks of :class:`subprocess.Popen` for its ``[python, -m, module, ...]`` accuracy runs, served
+    by a child of the fork server (tests/fresh_interpreter.py): still a fresh process per run, with its own peak RSS,
+    without the 10-13 s of a new interpreter's imports. Its output is copied into the log file when it ends."""
+
+    def __init__(self, zygote, script, cmd, cwd, stdout, stderr=None, text=None):
+        assert cmd[0] == sys.executable and cmd[1] == "-m", cmd
+        script.write_text(f"import runpy\nrunpy.run_module({cmd[2]!r}, run_name='__main__', alter_sys=True)\n")
+        self.log = stdout
+        self.process = zygote.start(script, cmd[3:], {**os.environ, "PYTHONPATH": str(cwd)}, cwd)
+
+    def wait(self, timeout=None) -> int:
+        self.process.wait(timeout)
+        self.log.write(self.process.stdout_path.read_text() + self.process.stderr_path.read_text())
+        self.log.flush()
+        return self.process.returncode
+
+    @property
+    def returncode(self):
+        return self.process.returncode
+
+
+def test_llm_sft_quick_trains_and_times_on_the_tiny_llama(tmp_path, monkeypatch, capsys, zygote):
     from benchmarks.oftv2 import llm_sft
 
     monkeypatch.setattr(llm_sft, "LOGS", tmp_path / "logs")
     monkeypatch.setattr(llm_sft, "CACHE", tmp_path / "results")
+    server = zygote()
+    monkeypatch.setattr(llm_sft, "subprocess", SimpleNamespace(
+        STDOUT=subprocess.STDOUT, Popen=partial(_ForkedModule, server, tmp_path / "run_module.py")))
     assert llm_sft.main(["--quick", "--methods", "LoRA r=16", "--rounds", "1", "--steps-per-round", "1"]) == 0
     out = capsys.readouterr().out
     assert "LoRA r=16: " in out and "| LoRA r=16 |" in out

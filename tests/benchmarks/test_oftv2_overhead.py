@@ -1,10 +1,13 @@
 """The overhead study (benchmarks/oftv2/overhead*.py) at its tiniest size: per-layer timing and op counts of every
-method, eager and compiled, and the whole-model step ratio, written and rendered into a page that ``--report``
-rebuilds from the result files alone; the op counter against counts worked out by hand."""
+method (block 32 and, through ``--extra-blocks``, block 8), eager and compiled, and the whole-model step ratio,
+written and rendered into a page that ``--report`` rebuilds from the result files alone; the op counter against
+counts worked out by hand. One quick run of both parts, shared by the tests that read it (each compile of a
+method costs seconds; the checks do not depend on which test paid for it)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -30,26 +33,42 @@ def test_kernel_count_of_a_frozen_linear_layer_is_the_hand_count():
     assert count_ops(lora)["kernels"] > counts["kernels"] + 4
 
 
-def test_quick_run_writes_both_parts_and_the_report_rebuilds_the_page(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One ``--quick`` run of both parts with block 8 measured beside block 32, labelled ``baseline``: returns its
+    results folder and the page as that run rendered it (tests that change the folder work on a copy)."""
+    from benchmarks.oftv2 import overhead
+
+    root = tmp_path_factory.mktemp("overhead")
+    out, page = root / "results", root / "oftv2_overhead.md"
+    assert overhead.main(["--quick", "--extra-blocks", "8", "--label", "baseline", "--out-dir", str(out),
+                          "--page", str(page)]) == 0
+    return out, page.read_text()
+
+
+def test_quick_run_writes_both_parts_and_the_report_rebuilds_the_page(quick_run, tmp_path):
     from benchmarks.oftv2 import overhead, overhead_llm, overhead_report
 
+    # Without --extra-blocks a run measures METHODS exactly; this one adds block 8 (checked in the next test).
+    assert overhead.methods(()) == overhead.METHODS and overhead.parse_args(["--quick"]).extra_blocks == []
+    measured = overhead.methods((8,))
     out, page = tmp_path / "results", tmp_path / "oftv2_overhead.md"
-    assert overhead.main(["--quick", "--label", "baseline", "--out-dir", str(out), "--page", str(page)]) == 0
+    shutil.copytree(quick_run[0], out)
     layers = json.loads((out / "baseline_layers.json").read_text())
     smollm2 = json.loads((out / "baseline_smollm2.json").read_text())
     summary = layers["widths"]["32"]["summary"]
-    assert set(summary) == {"eager", "compiled"} and all(set(s) == set(overhead.METHODS) for s in summary.values())
+    assert set(summary) == {"eager", "compiled"} and all(set(s) == set(measured) for s in summary.values())
     for mode in ("eager", "compiled"):
         rows = summary[mode]
         assert rows["base"]["added_ops_per_layer"]["kernels"] == 0
         # Every adapter adds kernels to a layer, in both modes; compiled, the graph has no break.
-        assert all(rows[m]["added_ops_per_layer"]["kernels"] > 0 for m in overhead.METHODS[1:])
+        assert all(rows[m]["added_ops_per_layer"]["kernels"] > 0 for m in measured[1:])
         assert all(rec["samples_us"] and min(rec["samples_us"]) > 0 for rec in layers["widths"]["32"]["raw"][mode].values())
     assert all(r["dynamo"]["graph_breaks"] == 0 for r in layers["widths"]["32"]["raw"]["compiled"].values())
     assert set(smollm2["timed"]) == {f"{a} {m}" for a in overhead_llm.ADAPTERS for m in ("eager", "compiled")}
     assert "OFTv2 b32 stacked" in overhead_llm.ADAPTERS
     assert smollm2["timed"]["OFTv2 b32 compiled"]["dynamo"]["graphs"] >= 1
-    text = page.read_text()
+    text = quick_run[1]
     assert "| eager | OFTv2 b32 |" in text and "| SmolLM2 step, compiled |" in text and "## Run `baseline`" in text
     assert text.count("| not met |") + text.count("| met |") == len(overhead_report.ratios(overhead_report.load(out)["baseline"]))
     # A second label joins the first as another column; --report renders the same page from the files alone.
@@ -85,13 +104,11 @@ def test_ab_worker_and_table():
     assert not any("stacked" in row for row in rows)  # a method missing from a run is left out
 
 
-def test_extra_block_sizes_are_measured_beside_block_32_and_join_the_targets_table(tmp_path):
+def test_extra_block_sizes_are_measured_beside_block_32_and_join_the_targets_table(quick_run):
     from benchmarks.oftv2 import overhead, overhead_report
 
-    out, page = tmp_path / "results", tmp_path / "oftv2_overhead.md"
-    assert overhead.main(["--quick", "--part", "layers", "--extra-blocks", "8", "--label", "blocks",
-                          "--out-dir", str(out), "--page", str(page)]) == 0
-    record = json.loads((out / "blocks_layers.json").read_text())
+    out, text = quick_run
+    record = json.loads((out / "baseline_layers.json").read_text())
     assert record["settings"]["extra_blocks"] == [8]
     rows = record["widths"]["32"]["summary"]["eager"]
     assert list(rows) == ["base", "OFTv2 b32", "OFTv2 b32 stacked", "OFTv2 b8", "OFTv2 b8 stacked", "LoRA r16",
@@ -99,9 +116,9 @@ def test_extra_block_sizes_are_measured_beside_block_32_and_join_the_targets_tab
     # Block 8 holds a quarter of block 32's parameters per layer (b - 1 per feature / 2): the adapter really differs.
     model = overhead.build("OFTv2 b8", 32, 1)
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 32 * 7 // 2
-    ratios = overhead_report.ratios(overhead_report.load(out)["blocks"])
+    ratios = overhead_report.ratios(overhead_report.load(out)["baseline"])
     assert "eager µs / layer, width 32, block 8" in ratios and "compiled kernels / layer, width 32, block 8 (stacked rotations)" in ratios
-    assert "| eager | OFTv2 b8 stacked |" in page.read_text()
+    assert "| eager | OFTv2 b8 stacked |" in text
 
 
 def test_step_ops_quick_run_splits_each_step_by_op(tmp_path):
