@@ -7,6 +7,10 @@ second step (parameters changed, as an optimizer changes them) must reuse the gr
 first GPU run saw OFTv2 recompile to dynamo's limit and fall back to eager. ``backend="aot_eager"`` traces forward
 and backward as Inductor would receive them without paying its C++ compile; one case runs the default Inductor
 backend. The Triton kernels run in interpreter mode on CPU (tests/conftest.py), as ``torch.library`` custom ops.
+
+Each compile costs seconds of tracing on CPU and each interpreted Triton kernel runs in Python once per block: the
+checks on the tiny Llama's torch path share one compiled model, and its Triton cases adapt one linear of each shape
+in blocks of 16.
 """
 
 from __future__ import annotations
@@ -46,17 +50,21 @@ def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def assert_compiled_matches_eager(model: nn.Module, batch: dict, loss_of, backend: str = "aot_eager",
-                                  rtol: float = 1e-5, atol: float = 1e-6) -> None:
+def assert_compiled_matches_eager(model: nn.Module, batch: dict, loss_of, backend="aot_eager", rtol: float = 1e-5,
+                                  atol: float = 1e-6, compiled: nn.Module | None = None) -> nn.Module:
     """Loss and adapter gradients of ``torch.compile(model, fullgraph=True)`` equal eager's; step 2 reuses the graph.
 
     Args:
         model: The adapted model (train mode).
         batch: Its keyword inputs.
         loss_of: Model output -> scalar loss.
-        backend: Dynamo backend.
+        backend: Dynamo backend (name or callable).
         rtol: Relative tolerance (fp32 rounding).
         atol: Absolute tolerance.
+        compiled: ``model`` compiled before (instead of compiling it here).
+
+    Returns:
+        The compiled model.
     """
     params = _trainable(model)
     assert params
@@ -65,7 +73,7 @@ def assert_compiled_matches_eager(model: nn.Module, batch: dict, loss_of, backen
     eager_grads = {n: p.grad.clone() for n, p in params.items()}
     model.zero_grad(set_to_none=True)
 
-    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    compiled = compiled if compiled is not None else torch.compile(model, fullgraph=True, backend=backend)
     loss = loss_of(compiled(**batch))
     loss.backward()
     torch.testing.assert_close(loss, eager_loss, rtol=rtol, atol=atol)
@@ -81,6 +89,7 @@ def assert_compiled_matches_eager(model: nn.Module, batch: dict, loss_of, backen
     with torch._dynamo.config.patch(error_on_recompile=True):
         loss_of(compiled(**batch)).backward()
     model.zero_grad(set_to_none=True)
+    return compiled
 
 
 def _tiny_llama(**overrides):
@@ -112,51 +121,51 @@ def test_oftv2_linear_conv_embedding(impl, conv_evaluation):
     assert_compiled_matches_eager(model, {"ids": ids}, lambda out: out.square().mean())
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_oftv2_tiny_llama_all_linear(impl):
-    _needs_triton(impl)
-    # Triton's interpreter runs each kernel in Python, twice per layer (eager and compiled): on that path one linear
-    # of each distinct shape (64→64, 64→32, 64→128, 128→64 in the tiny Llama) instead of all seven.
-    targets = "all-linear" if impl == "torch" else ["q_proj", "k_proj", "gate_proj", "down_proj"]
-    model = peft.get_peft_model(_tiny_llama(), oftv2.OFTv2Config(block_size=8, target_modules=targets,
-                                                                 kernel_impl=impl))
-    randomize_q(model, std=0.05)
-    model.train()
-    assert_compiled_matches_eager(model, _lm_batch(), _lm_loss)
-
-
-def test_oftv2_stacked_rotations_tiny_llama():
-    # oftv2.stack_rotations: the hooks that batch every layer's series trace into the same single graph.
-    model = peft.get_peft_model(_tiny_llama(), oftv2.OFTv2Config(r=8, target_modules="all-linear"))
-    randomize_q(model, std=0.05)
-    oftv2.stack_rotations(model)
-    model.train()
-    assert_compiled_matches_eager(model, _lm_batch(), _lm_loss)
-
-
-def test_stack_rotations_after_compile_is_seen_and_remove_reverts():
-    # Dynamo does not guard module hooks: the layers' stacking flag makes a graph traced without the hooks fail its
-    # guards once stack_rotations added them (a graph of the batched series is traced), and pass again after remove().
+def test_oftv2_tiny_llama_all_linear_then_stacked_rotations():
+    # One compiled tiny Llama (all seven linears; r=8 gives blocks of 8 and of 16) serves three checks in turn:
+    # 1. plain OFTv2 compiles whole and equals eager;
+    # 2. oftv2.stack_rotations after compile is seen: dynamo does not guard module hooks, so the layers' stacking
+    #    flag makes the plain graph fail its guards once the hooks are added, and a graph of the batched series (its
+    #    source lines are in the graph's comments) is traced — whole, and equal to eager stacked;
+    # 3. remove() reverts: the plain graph passes its guards and serves again.
     graphs = []
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
 
     def backend(gm, example_inputs):
         graphs.append(gm.print_readable(print_output=False))
-        return gm.forward
+        return aot_eager(gm, example_inputs)
 
-    model = peft.get_peft_model(_tiny_llama(), oftv2.OFTv2Config(block_size=8, target_modules=["q_proj", "v_proj"]))
+    model = peft.get_peft_model(_tiny_llama(), oftv2.OFTv2Config(r=8, target_modules="all-linear"))
     randomize_q(model, std=0.05)
+    model.train()
     batch = _lm_batch()
-    compiled = torch.compile(model, fullgraph=True, backend=backend)
-    with torch.no_grad():
-        plain_loss = compiled(**batch).loss
-        handle = oftv2.stack_rotations(model)
-        stacked_loss = compiled(**batch).loss
-        # The second graph runs the batched series (its source lines are in the graph's comments), the first not.
-        assert len(graphs) == 2 and "stacked.py" not in graphs[0] and "stacked.py" in graphs[1]
-        handle.remove()
-        torch.testing.assert_close(compiled(**batch).loss, plain_loss)
-    assert len(graphs) == 2  # the first graph serves again
+    compiled = assert_compiled_matches_eager(model, batch, _lm_loss, backend=backend)
+    assert len(graphs) == 1
+
+    plain_loss = compiled(**batch).loss.detach()
+    handle = oftv2.stack_rotations(model)
+    stacked_loss = compiled(**batch).loss.detach()
+    # The second graph runs the batched series, the first not.
+    assert len(graphs) == 2 and "stacked.py" not in graphs[0] and "stacked.py" in graphs[1]
     torch.testing.assert_close(stacked_loss, plain_loss, rtol=1e-6, atol=1e-6)
+    assert_compiled_matches_eager(model, batch, _lm_loss, compiled=compiled)
+    assert len(graphs) == 2
+
+    handle.remove()
+    torch.testing.assert_close(compiled(**batch).loss, model(**batch).loss)
+    assert len(graphs) == 2  # the first graph serves again
+
+
+def test_oftv2_tiny_llama_triton():
+    # Triton's interpreter runs each kernel in Python, three times per layer (eager, compiled, second step), once per
+    # block: one linear of each distinct shape (64→64, 64→32, 64→128, 128→64 in the tiny Llama) instead of all
+    # seven, in blocks of 16 (the torch path runs all seven in test_oftv2_tiny_llama_all_linear_then_stacked_rotations).
+    _needs_triton("triton")
+    model = peft.get_peft_model(_tiny_llama(), oftv2.OFTv2Config(
+        block_size=16, target_modules=["q_proj", "k_proj", "gate_proj", "down_proj"], kernel_impl="triton"))
+    randomize_q(model, std=0.05)
+    model.train()
+    assert_compiled_matches_eager(model, _lm_batch(), _lm_loss)
 
 
 def test_oftv2_inductor():
@@ -201,7 +210,9 @@ def test_qoft_nf4(nf4_llama, impl):
     from oftv2 import bnb as qoft
 
     base = nf4_llama(torch.float16 if impl == "triton" else torch.float32)
-    model = peft.get_peft_model(base, oftv2.OFTv2Config(block_size=16, target_modules="all-linear", kernel_impl=impl))
+    # The interpreted fused kernel: one 4-bit linear of each distinct shape, as in test_oftv2_tiny_llama_triton.
+    targets = "all-linear" if impl == "torch" else ["q_proj", "k_proj", "gate_proj", "down_proj"]
+    model = peft.get_peft_model(base, oftv2.OFTv2Config(block_size=16, target_modules=targets, kernel_impl=impl))
     randomize_q(model, std=0.05)
     model.train()
     layers = [m for m in model.modules() if isinstance(m, qoft.Linear4bit)]

@@ -4,8 +4,9 @@
   otherwise run the call eagerly, so a fit, test or predict that needs one graph more than
   ``torch._dynamo.config.recompile_limit`` (8: every new grad mode, ``inference_mode``, batch size 1 or input shape
   compiles one) stopped with a traceback. ``compile: true`` now falls back with one warning, ``compile: strict``
-  stops with one line. The limit is lowered to 2 and ``dynamic: false`` makes every sequence length a new graph, so
-  that three forwards reach it in a few seconds (``backend="eager"``: the limit is dynamo's, whatever the backend).
+  stops with one line. The limit is lowered to 1 and ``dynamic: false`` makes every sequence length a new graph, so
+  that two forwards reach it with one trace of the model (``backend="eager"``: the limit is dynamo's, whatever the
+  backend).
 - An exception the model raises for a bad batch: dynamo stops tracing at it as at a graph break ("Observed
   exception"), so ``compile: true`` warned that the model cannot be traced whole and dropped ``fullgraph`` for the
   rest of the run, and ``compile: strict`` replaced the model's own error with that claim. The model's error is
@@ -27,7 +28,7 @@ from peftplug.lightning import PeftModule
 from peftplug.tiny import tiny_model
 
 OPTIONS = {"backend": "eager", "dynamic": False}
-LENGTHS = (8, 9, 10)  # three static shapes: one more than the lowered limit
+LENGTHS = (8, 9)  # two static shapes: one more than the lowered limit
 
 
 def _limit(value: int):
@@ -72,7 +73,7 @@ def _fresh_dynamo():
 
 def test_recompile_limit_falls_back_with_one_warning_and_eager_results():
     eager = _steps(_module(False))
-    with _limit(2), warnings.catch_warnings(record=True) as record:
+    with _limit(1), warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         compiled = _steps(_module(True))
     fallbacks = [str(w.message) for w in record if "fullgraph" in str(w.message)]
@@ -86,7 +87,7 @@ def test_recompile_limit_falls_back_with_one_warning_and_eager_results():
 
 def test_recompile_limit_under_strict_is_one_line():
     module = _module("strict")
-    with _limit(2), pytest.raises(ConfigError, match=r"model.compile: strict: .*recompile limit") as err:
+    with _limit(1), pytest.raises(ConfigError, match=r"model.compile: strict: .*recompile limit") as err:
         _steps(module)
     assert "\n" not in str(err.value)
 
