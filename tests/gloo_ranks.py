@@ -32,6 +32,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_env(rank: int, port: int, world: int = 2) -> dict[str, str]:
+    """The environment ``torchrun`` gives one rank on one node (Lightning then sees the ranks launched and starts
+    none itself).
+
+    Args:
+        rank: This rank.
+        port: The ranks' ``MASTER_PORT``.
+        world: Number of ranks.
+    """
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank),
+            "LOCAL_RANK": str(rank), "NODE_RANK": "0"}
+
+
 def run_ranks(zygote: Callable, worker: Callable | str, args: tuple, nprocs: int = 2,
               timeout: int = 240) -> subprocess.CompletedProcess:
     """Runs ``worker(rank, *args)`` in ``nprocs`` ranks forked from one fresh process; fails with the ranks' output

@@ -21,7 +21,7 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from gloo_ranks import free_port, run_ranks
+from gloo_ranks import free_port, run_ranks, torchrun_env
 from peft import LoraConfig
 from torch.utils.data import DistributedSampler
 
@@ -139,8 +139,7 @@ def _validate(module: PeftModule, data: L.LightningDataModule, name: str, device
 
 def _rank_main(rank: int, root: str, port: int) -> None:
     """One of the two processes: the environment ``torchrun`` would give it, then every case in turn."""
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
-                       "LOCAL_RANK": str(rank), "NODE_RANK": "0", "OMP_NUM_THREADS": "1"})
+    os.environ.update(torchrun_env(rank, port), OMP_NUM_THREADS="1")
     from pathlib import Path
 
     # Every model is built before the first run starts the process group: transformers' save_pretrained writes

@@ -4,20 +4,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_ranks import free_port
 
 from peftplug.errors import ConfigError, run_command
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -41,7 +35,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_the_surviving_rank_prints_one_line(tmp_path):
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
     assert (tmp_path / "rank1.status").read_text() == "2"
     assert (tmp_path / "rank1.err").read_text().strip() == "peftplug: error: boom on rank 1"
     assert (tmp_path / "rank0.status").read_text() == "1"

@@ -48,8 +48,9 @@ def _fit_rank(rank: int, root: str, port: int, order: str, kind: str) -> None:
     building its own module and data (as each ``peftplug fit`` process of a DDP run does)."""
     import os
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
-                       "LOCAL_RANK": str(rank), "NODE_RANK": "0"})
+    from gloo_ranks import torchrun_env
+
+    os.environ.update(torchrun_env(rank, port))
     if order == "first":
         optimizer = functools.partial(torch.optim.AdamW, lr=1e-2)
     else:

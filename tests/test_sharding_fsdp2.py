@@ -113,11 +113,11 @@ def data_root(tmp_path_factory) -> Path:
 def _torchrun_rank(rank: int, recipe: str, port: int) -> None:
     """One rank of ``torchrun --nproc-per-node 2 peftplug fit --config <recipe>``: the environment torchrun gives
     it, then the command's own entry point (Lightning sees the ranks launched and starts none itself)."""
+    from gloo_ranks import torchrun_env
+
     from peftplug.cli import main
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
-                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0", "OMP_NUM_THREADS": "1",
-                       "HF_HUB_OFFLINE": "1"})
+    os.environ.update(torchrun_env(rank, port), LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     code = main(["fit", "--config", recipe])
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code or 0)  # no interpreter teardown: gloo's threads may abort it (tests/helene/test_ddp.py)

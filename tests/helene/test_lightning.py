@@ -119,12 +119,12 @@ def _ddp_rank(rank: int, out: str, port: int) -> None:
     """One of two ranks, in the environment ``torchrun`` gives it: 3 ZOSGD steps under ``strategy="ddp"``."""
     import os
 
+    from gloo_ranks import torchrun_env
     from torch.utils.data import DataLoader
 
     from peftplug.tiny import tiny_model
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
-                       "LOCAL_RANK": str(rank), "NODE_RANK": "0"})
+    os.environ.update(torchrun_env(rank, port))
     batches = _batches(n_batches=6, size=4, seed=1)
     _trainer(f"{out}_root", devices=2, strategy="ddp", max_steps=3, callbacks=[SaveRankRun(out)]).fit(
         _zosgd_module(tiny_model), train_dataloaders=DataLoader(batches, batch_size=None))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_ranks import free_port, run_ranks
+from gloo_ranks import free_port, run_ranks, torchrun_env
 
 dist = torch.distributed
 pytestmark = [pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
@@ -73,8 +73,7 @@ def _fit(root: Path, kind: str, options: dict, out: Path, ckpt_path: Path | None
 
 
 def _worker(rank: int, root: str, port: int) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
-                       "LOCAL_RANK": str(rank), "NODE_RANK": "0", "OMP_NUM_THREADS": "1"})
+    os.environ.update(torchrun_env(rank, port), OMP_NUM_THREADS="1")
     root = Path(root)
     errors = {}
     try:
